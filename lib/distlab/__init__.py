@@ -1,0 +1,15 @@
+"""distlab: distributed training in PyTorch, run for real from a notebook.
+
+    import distlab
+    results = distlab.run(fn, world_size=4)   # fn(rank, world_size) on 4 real processes
+
+The launcher is in `distlab.launch`; each strategy of the course has its own module.
+"""
+from .launch import (DEFAULT_TIMEOUT, RankFailed, Results, RunTimeout, choose_backend, device,
+                     run)
+from .progress import progress
+from .show import show_source
+
+__all__ = ["run", "device", "choose_backend", "progress", "show_source", "RankFailed",
+           "RunTimeout", "Results", "DEFAULT_TIMEOUT"]
+__version__ = "0.1.0"

@@ -1,0 +1,139 @@
+"""The child side of `distlab.run`: what each rank process does around the learner's function.
+
+The parent (launch.py) starts one process per rank with `main(...)` as its target. This module
+is preloaded in the forkserver together with torch, so it must stay cheap to import and must not
+touch torch's thread pools or CUDA at import time (forked children would inherit them).
+"""
+import faulthandler
+import linecache
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+# Set while a rank runs: its message pipe to the parent and its device.
+_conn = None
+_device = None
+_rank = None
+
+
+def main(spec, payload, conn, out_w, err_w):
+    global _conn, _device, _rank
+    _rank = spec["rank"]
+    # Own process group, so the parent can kill this rank together with anything it started.
+    if hasattr(os, "setpgrp"):
+        os.setpgrp()
+    # Send fd 1 and 2 (C++ warnings too, not only print) to the parent's pipes for this rank.
+    os.dup2(out_w.fileno(), 1)
+    os.dup2(err_w.fileno(), 2)
+    out_w.close()
+    err_w.close()
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    _conn = conn
+
+    # On a timeout the parent sends SIGUSR1 and reads where every thread was, even inside C++.
+    if hasattr(signal, "SIGUSR1"):
+        dump = open(spec["dump_path"], "w")
+        faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+
+    os.environ.update(
+        MASTER_ADDR=spec["master_addr"], MASTER_PORT=str(spec["master_port"]),
+        RANK=str(_rank), WORLD_SIZE=str(spec["world_size"]),
+        LOCAL_RANK=str(_rank), LOCAL_WORLD_SIZE=str(spec["world_size"]),
+        GROUP_RANK="0", ROLE_RANK=str(_rank), ROLE_WORLD_SIZE=str(spec["world_size"]),
+    )
+    os.environ.update(spec.get("env", {}))
+    # Ranks sharing a few cores each get their share: oversubscribed ranks run many times slower.
+    torch.set_num_threads(spec["threads"])
+    backend = spec["backend"]
+    if backend == "nccl":
+        torch.cuda.set_device(_rank)
+        _device = torch.device("cuda", _rank)
+    else:
+        _device = torch.device("cpu")
+    linecache.cache.update(spec.get("sources", {}))
+
+    initialised_here = False
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload)
+        if spec["init"]:
+            _init_process_group(spec)
+            initialised_here = True
+        result = fn(_rank, spec["world_size"], *args, **kwargs)
+        try:
+            blob = pickle.dumps(_to_cpu(result))
+        except Exception as e:
+            raise TypeError(
+                f"rank {_rank} returned a {type(result).__name__} that cannot be sent back to the "
+                f"notebook ({e}). Return plain data: numbers, lists, dicts, tensors.") from None
+        message = ("result", blob)
+    except BaseException as e:  # noqa: B902 - every failure must reach the parent
+        message = ("error", _describe(e))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if message[0] == "error":
+        # Report before cleaning up: the other ranks may be stuck and cleanup could block.
+        conn.send(message)
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    if message[0] == "result":
+        conn.send(message)
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _init_process_group(spec):
+    from datetime import timedelta
+    store = dist.TCPStore(spec["master_addr"], spec["store_port"], spec["world_size"],
+                          is_master=False, timeout=timedelta(seconds=spec["pg_timeout"]))
+    dist.init_process_group(spec["backend"], store=store, rank=_rank,
+                            world_size=spec["world_size"],
+                            timeout=timedelta(seconds=spec["pg_timeout"]))
+
+
+def _to_cpu(obj):
+    """Tensors come back to the notebook on the CPU, whatever device the rank used."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_to_cpu(x) for x in obj)
+    if type(obj) is dict:
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def _describe(e):
+    """What the parent needs to report an exception: its type, message and traceback."""
+    tb = e.__traceback__
+    # Drop this module's own frame: the learner's code starts one frame further in.
+    if tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(e), e, tb))
+    try:
+        exc = pickle.dumps(e)
+        pickle.loads(exc)
+    except Exception:
+        exc = None
+    return {"type": type(e).__name__, "message": str(e), "traceback": text, "exception": exc,
+            "time": time.time()}
+
+
+# ---- helpers that the learner's code calls inside a rank -------------------------------------
+
+def send_progress(desc, n, total):
+    if _conn is not None:
+        try:
+            _conn.send(("progress", (desc, n, total)))
+        except (OSError, ValueError):
+            pass

@@ -1,0 +1,36 @@
+"""`show_source`: put the real code of the course in front of the learner, never a pasted copy."""
+import inspect
+import textwrap
+
+
+def source_of(obj, lines=None):
+    """The source text of a function, class or module (optionally only `lines=(first, last)`,
+    counted from 1 within the object's source)."""
+    try:
+        text = inspect.getsource(obj)
+    except (TypeError, OSError) as e:
+        raise TypeError(f"show_source can show functions, classes and modules of the course; "
+                        f"{obj!r} has no source to show ({e}).") from None
+    text = textwrap.dedent(text)
+    if lines is not None:
+        first, last = lines
+        text = "\n".join(text.splitlines()[first - 1:last])
+    return text.rstrip("\n")
+
+
+def show_source(*objs, lines=None):
+    """Display the source of each object, syntax highlighted in JupyterLab (plain text elsewhere)."""
+    from IPython.display import Markdown, display
+    for obj in objs:
+        text = source_of(obj, lines)
+        where = _location(obj)
+        header = f"`{where}`\n\n" if where else ""
+        display(Markdown(f"{header}```python\n{text}\n```"))
+
+
+def _location(obj):
+    module = inspect.getmodule(obj)
+    if module is None or not module.__name__.startswith("distlab"):
+        return ""
+    name = getattr(obj, "__qualname__", None)
+    return f"{module.__name__}.{name}" if name and not inspect.ismodule(obj) else module.__name__

@@ -1,0 +1,347 @@
+"""distlab.run with real processes: results, environment, output, failures, hangs, bad input."""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distlab
+from distlab import RankFailed, RunTimeout
+from conftest import wait_gone
+
+
+def write_pid(folder, rank):
+    (folder / f"pid{rank}").write_text(str(os.getpid()))
+
+
+# ---- the happy path ------------------------------------------------------------------------------
+
+def all_reduce_rank(rank, world_size):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    print(f"sum = {t.item():g}")
+    return t.item()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_results_in_rank_order(world_size, capsys):
+    results = distlab.run(all_reduce_rank, world_size)
+    expected = sum(range(world_size))
+    assert results == [expected] * world_size
+    assert results.backend == "gloo"
+    out = capsys.readouterr().out
+    assert out == "".join(f"[rank {r}] sum = {expected:g}\n" for r in range(world_size))
+
+
+def print_in_reverse(rank, world_size):
+    time.sleep(0.05 * (world_size - rank))  # rank 3 prints first
+    print(f"hello from {rank}")
+    print(f"warning from {rank}", file=sys.stderr)
+    os.write(1, f"raw fd write from {rank}\n".encode())  # C-level output is captured too
+    return rank
+
+
+def test_output_grouped_by_rank_whatever_the_order(capsys):
+    assert distlab.run(print_in_reverse, 4) == [0, 1, 2, 3]
+    captured = capsys.readouterr()
+    assert captured.out == "".join(
+        f"[rank {r}] hello from {r}\n[rank {r}] raw fd write from {r}\n" for r in range(4))
+    assert captured.err == "".join(f"[rank {r}] warning from {r}\n" for r in range(4))
+
+
+def report_environment(rank, world_size):
+    keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"]
+    return {k: os.environ[k] for k in keys} | {
+        "pg_rank": dist.get_rank(), "pg_size": dist.get_world_size(),
+        "backend": dist.get_backend(), "threads": torch.get_num_threads(),
+        "device": str(distlab.device())}
+
+
+def test_torchrun_environment_and_process_group():
+    results = distlab.run(report_environment, 2)
+    ports = {r["MASTER_PORT"] for r in results}
+    assert len(ports) == 1 and int(ports.pop()) > 0
+    cores = len(os.sched_getaffinity(0))
+    for rank, r in enumerate(results):
+        assert (r["RANK"], r["WORLD_SIZE"], r["LOCAL_RANK"]) == (str(rank), "2", str(rank))
+        assert r["MASTER_ADDR"] == "127.0.0.1"
+        assert (r["pg_rank"], r["pg_size"], r["backend"]) == (rank, 2, "gloo")
+        assert r["threads"] == max(1, cores // 2)
+        assert r["device"] == "cpu"
+
+
+def init_it_yourself(rank, world_size):
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method="env://")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_init_false_leaves_init_to_the_function():
+    assert distlab.run(init_it_yourself, 3, init=False) == [3.0, 3.0, 3.0]
+
+
+def return_tensors(rank, world_size, scale, *, offset):
+    return {"t": torch.arange(3) * scale + offset + rank, "pair": (rank, "x")}
+
+
+def test_arguments_and_tensor_results():
+    results = distlab.run(return_tensors, 2, 10, offset=1)
+    assert torch.equal(results[1]["t"], torch.tensor([2, 12, 22]))
+    assert results[0]["pair"] == (0, "x")
+
+
+def test_functions_defined_at_run_time_travel_by_value():
+    # As in a notebook cell: a closure and a lambda that no child process could import.
+    factor = 7
+    namespace = {}
+    exec("def cell_fn(rank, world_size):\n    return rank * factor", {"factor": factor}, namespace)
+    assert distlab.run(namespace["cell_fn"], 3) == [0, 7, 14]
+    assert distlab.run(lambda rank, world_size: rank + factor, 2) == [7, 8]
+
+
+def test_concurrent_launches_do_not_collide():
+    results, errors = {}, []
+
+    def launch(i):
+        try:
+            results[i] = distlab.run(all_reduce_rank, 2)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=launch, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(results[i] == [1.0, 1.0] for i in range(4))
+
+
+def count_with_progress(rank, world_size):
+    return sum(1 for _ in distlab.progress(range(50), desc="steps"))
+
+
+def test_progress_inside_ranks_is_harmless_without_a_notebook():
+    assert distlab.run(count_with_progress, 2) == [50, 50]
+
+
+# ---- failures -------------------------------------------------------------------------------------
+
+def raise_on_rank_1(rank, world_size, folder):
+    write_pid(folder, rank)
+    if rank == 1:
+        raise ValueError("rank 1 found a bad value")
+    time.sleep(60)  # the others would wait forever: the launcher must stop them
+
+
+def test_exception_names_the_rank_and_stops_the_others(pid_dir):
+    folder, pids = pid_dir
+    with pytest.raises(RankFailed) as info:
+        distlab.run(raise_on_rank_1, 3, folder, timeout=60)
+    e = info.value
+    assert e.rank == 1 and e.exc_type == "ValueError"
+    assert str(e).startswith("rank 1 raised ValueError: rank 1 found a bad value")
+    assert "Traceback from rank 1" in str(e) and "raise_on_rank_1" in str(e)
+    assert isinstance(e.exception, ValueError)
+    assert len(pids()) == 3 and wait_gone(pids()) == []
+
+
+def failing_collective(rank, world_size):
+    if rank == 2:
+        raise KeyError("missing")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the other ranks fail here once rank 2 is gone
+
+
+def test_the_rank_that_raised_first_is_reported_not_its_victims():
+    with pytest.raises(RankFailed) as info:
+        distlab.run(failing_collective, 4, timeout=60)
+    assert info.value.rank == 2 and info.value.exc_type == "KeyError"
+
+
+def exit_silently(rank, world_size, folder, how):
+    write_pid(folder, rank)
+    if rank == 2:
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), 9)
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("how, phrase", [("exit", "exited with code 3"),
+                                         ("kill", "was killed by SIGKILL")])
+def test_a_rank_that_dies_without_a_word_is_noticed_at_once(pid_dir, how, phrase):
+    folder, pids = pid_dir
+    # The timeout is long: only noticing the death itself can raise RankFailed.
+    with pytest.raises(RankFailed, match=f"rank 2 {phrase}"):
+        distlab.run(exit_silently, 3, folder, how, timeout=60)
+    assert wait_gone(pids()) == []
+
+
+def unpicklable_result(rank, world_size):
+    return threading.Lock()
+
+
+def test_a_result_that_cannot_come_back_is_explained():
+    with pytest.raises(RankFailed, match="returned a lock that cannot be sent back"):
+        distlab.run(unpicklable_result, 2)
+
+
+def hang_in_collective(rank, world_size, folder):
+    write_pid(folder, rank)
+    print(f"rank {rank} started")
+    if rank == 1:
+        time.sleep(60)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+
+
+def test_timeout_names_running_ranks_and_where_they_are(pid_dir, capsys):
+    folder, pids = pid_dir
+    with pytest.raises(RunTimeout) as info:
+        distlab.run(hang_in_collective, 3, folder, timeout=3)
+    e = info.value
+    assert e.running == [0, 1, 2]
+    lines = str(e).splitlines()
+    assert lines[0] == "distlab.run timed out after 3 s: ranks 0, 1 and 2 still running."
+    assert lines[1].startswith("  rank 0: waits in all_reduce, called from hang_in_collective")
+    assert lines[2].startswith("  rank 1: is at hang_in_collective") and "time.sleep(60)" in lines[2]
+    assert lines[3].startswith("  rank 2: waits in all_reduce")
+    # What the ranks printed before the timeout is still shown.
+    assert "[rank 1] rank 1 started" in capsys.readouterr().out
+    assert wait_gone(pids()) == []
+
+
+def test_finished_ranks_are_reported_as_finished():
+    def only_rank_0_hangs(rank, world_size):
+        if rank == 0:
+            time.sleep(60)
+    with pytest.raises(RunTimeout) as info:
+        distlab.run(only_rank_0_hangs, 2, timeout=2)
+    assert info.value.running == [0]
+    assert "rank 1: finished" in str(info.value)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn, world_size, kwargs, error, phrase", [
+    (all_reduce_rank, 0, {}, ValueError, "world_size must be at least 1"),
+    (all_reduce_rank, -2, {}, ValueError, "world_size must be at least 1"),
+    (all_reduce_rank, 1000, {}, ValueError, "too many ranks for one machine"),
+    (all_reduce_rank, "4", {}, TypeError, "whole number of ranks"),
+    (all_reduce_rank, 2.0, {}, TypeError, "whole number of ranks"),
+    (42, 2, {}, TypeError, "needs a function to run on every rank"),
+    (all_reduce_rank, 2, {"timeout": -1}, ValueError, "timeout must be a positive number"),
+    (all_reduce_rank, 2, {"backend": "mpi2"}, ValueError, "backend must be one of"),
+    (all_reduce_rank, 2, {"backend": "nccl"}, ValueError, "needs one GPU per rank"),
+])
+def test_bad_input_is_refused_with_a_sentence(fn, world_size, kwargs, error, phrase):
+    if kwargs.get("backend") == "nccl" and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs")
+    with pytest.raises(error, match=phrase):
+        distlab.run(fn, world_size, **kwargs)
+
+
+def test_arguments_that_cannot_be_pickled_are_named():
+    with pytest.raises(TypeError, match=r"cannot send argument 2 \(generator\) to the ranks"):
+        distlab.run(return_tensors, 2, 1, (x for x in range(3)), offset=0)
+
+
+def test_calling_the_function_instead_of_passing_it_is_explained():
+    with pytest.raises(TypeError, match="Pass the function itself, without calling it"):
+        distlab.run(all_reduce_rank(0, 1) if False else None, 2)
+
+
+# ---- scripts and interrupts -------------------------------------------------------------------------
+
+def run_script(tmp_path, body, timeout=120):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=timeout, cwd=tmp_path)
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path):
+    # forkserver and spawn normally re-import the main script in every child; without a guard
+    # that would launch ranks from inside ranks. distlab.run must just work.
+    proc = run_script(tmp_path, """
+        import torch, torch.distributed as dist, distlab
+        print("script body runs")
+        def fn(rank, world_size):
+            t = torch.tensor([rank]); dist.all_reduce(t); return t.item()
+        print(distlab.run(fn, 3))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "script body runs\n[3, 3, 3]\n"
+
+
+def test_spawn_start_method_works_too(tmp_path):
+    proc = run_script(tmp_path, """
+        import os
+        os.environ["DISTLAB_START_METHOD"] = "spawn"
+        import distlab
+        if __name__ == "__main__":
+            print(distlab.run(lambda rank, world_size: rank * 10, 2))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[0, 10]"
+
+
+def test_interrupting_a_script_reaps_every_rank(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, time, distlab
+        def wait(rank, world_size):
+            open(os.path.join({str(tmp_path)!r}, f"pid{{rank}}"), "w").write(str(os.getpid()))
+            time.sleep(120)
+        distlab.run(wait, 3, timeout=120)
+    """)], stderr=subprocess.PIPE, text=True)
+    until = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid*"))) < 3 and time.monotonic() < until:
+        time.sleep(0.1)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    assert len(pids) == 3
+    time.sleep(0.5)
+    proc.send_signal(2)  # what Ctrl-C in a terminal or Kernel > Interrupt does
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err
+    assert wait_gone(pids) == []
+
+
+def test_interrupting_a_jupyter_kernel_reaps_every_rank(tmp_path):
+    from jupyter_client.manager import start_new_kernel
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    try:
+        code = textwrap.dedent(f"""
+            import os, time, distlab
+            def wait(rank, world_size):
+                open(os.path.join({str(tmp_path)!r}, f"pid{{rank}}"), "w").write(str(os.getpid()))
+                time.sleep(120)
+            distlab.run(wait, 2, timeout=120)
+        """)
+        msg_id = kc.execute(code)
+        until = time.monotonic() + 60
+        while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < until:
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+        assert len(pids) == 2
+        km.interrupt_kernel()
+        reply = kc.get_shell_msg(timeout=60)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = kc.get_shell_msg(timeout=60)
+        assert reply["content"]["status"] == "error"
+        assert reply["content"]["ename"] == "KeyboardInterrupt"
+        assert wait_gone(pids) == []
+        # The kernel is still usable: the next launch works.
+        kc.execute_interactive("r = distlab.run(lambda rank, ws: rank, 2)", timeout=60)
+        reply = kc.execute_interactive("print(r)", timeout=60)
+        assert reply["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
