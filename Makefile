@@ -1,0 +1,36 @@
+# The two commands of the course: `make lab` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.distlab-installed
+NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300
+
+.PHONY: lab test regen exercises install bench clean
+
+install: $(STAMP)
+
+# pip takes torch==2.13.0 (pinned in pyproject.toml); the CPU wheel when one is on local disk.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --notebook-dir=. notebooks/00_why_distributed.ipynb
+
+test: $(STAMP)
+	$(PY) -m pytest tests notebooks solutions $(NBVAL) --timeout=900 -q
+
+# Re-execute notebooks in place as nbval sees them: `make regen` or `make regen NB=notebooks/03_*.ipynb`
+regen: $(STAMP)
+	$(PY) tools/regen.py $(NB)
+
+exercises: $(STAMP)
+	$(PY) -m distlab.exercises
+
+bench: $(STAMP)
+	for b in bench/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) lib/*.egg-info

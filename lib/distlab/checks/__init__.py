@@ -1,0 +1,124 @@
+"""Exercise checkers: run the learner's function for real, compare with the reference, and say in
+one sentence what differs (which rank, which element, expected vs got) or that it passed.
+
+Each chapter's checkers live in `distlab.checks.chNN`; this module holds what they share.
+"""
+import math
+import numbers
+
+import torch
+
+from ..launch import RankFailed, run
+
+
+class CheckFailed(AssertionError):
+    """The learner's answer differs from the reference; the message says where."""
+
+
+def passed(message):
+    print(f"✅ {message}")
+
+
+def first_difference(got, expected, atol=1e-6, rtol=1e-5, path=""):
+    """None when `got` matches `expected`, else a phrase like 'element [3]: expected 6.0, got 3.0'."""
+    where = f"element {path}" if path else "the value"
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"{where}: expected a tensor, got {type(got).__name__} {got!r}"
+        if tuple(got.shape) != tuple(expected.shape):
+            return f"{where}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
+        g, e = got.detach().double(), expected.detach().double()
+        bad = ~torch.isclose(g, e, atol=atol, rtol=rtol, equal_nan=True)
+        if bad.any():
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            label = f"{path}[{', '.join(map(str, index))}]" if index else path
+            return (f"element {label or '[]'}: expected {_fmt(e[index].item())}, "
+                    f"got {_fmt(g[index].item())}")
+        return None
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)):
+            return f"{where}: expected a {type(expected).__name__}, got {type(got).__name__} {got!r}"
+        if len(got) != len(expected):
+            return f"{where}: expected {len(expected)} items, got {len(got)}"
+        for i, (g, e) in enumerate(zip(got, expected)):
+            found = first_difference(g, e, atol, rtol, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if isinstance(expected, dict):
+        if not isinstance(got, dict) or set(got) != set(expected):
+            return f"{where}: expected keys {sorted(expected)}, got {got!r}"
+        for k in expected:
+            found = first_difference(got[k], expected[k], atol, rtol, f"{path}[{k!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(expected, numbers.Real) and not isinstance(expected, bool):
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            got = got.item()
+        if not isinstance(got, numbers.Real) or isinstance(got, bool):
+            return f"{where}: expected a number ({_fmt(expected)}), got {type(got).__name__} {got!r}"
+        if not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol):
+            return f"{where}: expected {_fmt(expected)}, got {_fmt(got)}"
+        return None
+    if got != expected:
+        return f"{where}: expected {expected!r}, got {got!r}"
+    return None
+
+
+def _fmt(x):
+    return f"{x:.6g}" if isinstance(x, float) else repr(x)
+
+
+def compare(got, expected, context, atol=1e-6, rtol=1e-5):
+    """Raise CheckFailed('<context>, element [i]: expected .., got ..') when they differ."""
+    found = first_difference(got, expected, atol, rtol)
+    if found:
+        raise CheckFailed(f"{context}, {found}.")
+
+
+def _not_written(name):
+    return NotImplementedError(
+        f"{name} is not written yet: replace the `raise NotImplementedError` in it with your "
+        f"code, then run this check again.")
+
+
+def call_learner(fn, *args, name=None, **kwargs):
+    """Call the learner's function in this process; a stub becomes a one-line NotImplementedError."""
+    name = name or getattr(fn, "__name__", "your function")
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError:
+        raise _not_written(name) from None
+
+
+def run_learner(fn, world_size, *args, name=None, timeout=30, **kwargs):
+    """distlab.run the learner's function; a stub becomes a one-line NotImplementedError."""
+    name = name or getattr(fn, "__name__", "your function")
+    if not callable(fn):
+        raise TypeError(f"the check needs your function, e.g. check({name}); got {fn!r}.")
+    try:
+        return run(fn, world_size, *args, timeout=timeout, **kwargs)
+    except RankFailed as e:
+        if e.exc_type == "NotImplementedError":
+            raise _not_written(name) from None
+        raise
+
+
+def check_on_ranks(fn, reference, world_sizes, args_for=lambda ws: (), name=None,
+                   atol=1e-6, rtol=1e-5, timeout=30):
+    """Run `fn` and `reference` on each world size with the same arguments; compare every rank."""
+    name = name or getattr(fn, "__name__", "your function")
+    for ws in world_sizes:
+        args = args_for(ws)
+        expected = run(reference, ws, *args, timeout=timeout)
+        got = run_learner(fn, ws, *args, name=name, timeout=timeout)
+        for rank in range(ws):
+            compare(got[rank], expected[rank], f"{name} with world_size={ws}, rank {rank}",
+                    atol, rtol)
+    return world_sizes
+
+
+def sizes_phrase(sizes):
+    sizes = list(sizes)
+    return ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}" if len(sizes) > 1 else str(sizes[0])

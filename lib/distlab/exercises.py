@@ -1,0 +1,105 @@
+"""Exercise workbooks are generated from their solutions: `python -m distlab.exercises`.
+
+In solutions/*.ipynb the answer sits between `### BEGIN SOLUTION` and `### END SOLUTION`. The
+exercise twin in exercises/ has each region replaced by a `raise NotImplementedError(...)` at the
+same indentation, and every output cleared. `--check` reports stale or missing exercise files.
+"""
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import nbformat
+
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+STUB = 'raise NotImplementedError("exercise: replace this line with your code")'
+
+
+def strip_solutions(source, where="cell"):
+    out, inside = [], False
+    for number, line in enumerate(source.split("\n"), 1):
+        marker = line.strip()
+        if marker.startswith(BEGIN):
+            if inside:
+                raise ValueError(f"{where}, line {number}: {BEGIN} inside another solution region")
+            inside = True
+            indent = line[:len(line) - len(line.lstrip())]
+            out += [f"{indent}# YOUR CODE HERE", f"{indent}{STUB}"]
+        elif marker.startswith(END):
+            if not inside:
+                raise ValueError(f"{where}, line {number}: {END} without a {BEGIN} before it")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError(f"{where}: {BEGIN} is never closed by {END}")
+    return "\n".join(out)
+
+
+def make_exercise(nb, name="notebook"):
+    nb = copy.deepcopy(nb)
+    regions = 0
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        if BEGIN in cell.source:
+            regions += cell.source.count(BEGIN)
+            cell.source = strip_solutions(cell.source, f"{name}, cell {i}")
+        cell.outputs = []
+        cell.execution_count = None
+    if regions == 0:
+        raise ValueError(f"{name} has no {BEGIN} region: a workbook needs at least one exercise")
+    return nb
+
+
+def expected_exercises(solutions_dir):
+    """{exercise file name: its text} for every workbook in solutions_dir."""
+    texts = {}
+    for path in sorted(Path(solutions_dir).glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        texts[path.name] = nbformat.writes(make_exercise(nb, path.name)) + "\n"
+    return texts
+
+
+def problems(solutions_dir, exercises_dir):
+    found = []
+    expected = expected_exercises(solutions_dir)
+    for name, text in expected.items():
+        target = Path(exercises_dir) / name
+        if not target.exists():
+            found.append(f"{target} is missing")
+        elif target.read_text() != text:
+            found.append(f"{target} differs from what solutions/{name} generates")
+    for target in sorted(Path(exercises_dir).glob("*.ipynb")):
+        if target.name not in expected:
+            found.append(f"{target} has no solutions/{target.name}")
+    return found
+
+
+def generate(solutions_dir, exercises_dir):
+    Path(exercises_dir).mkdir(exist_ok=True)
+    for name, text in expected_exercises(solutions_dir).items():
+        (Path(exercises_dir) / name).write_text(text)
+    return sorted(expected_exercises(solutions_dir))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--solutions", default="solutions")
+    parser.add_argument("--exercises", default="exercises")
+    parser.add_argument("--check", action="store_true", help="only report stale files")
+    args = parser.parse_args(argv)
+    if args.check:
+        found = problems(args.solutions, args.exercises)
+        for p in found:
+            print(p)
+        if found:
+            print("Run `make exercises` to regenerate them.")
+        return 1 if found else 0
+    for name in generate(args.solutions, args.exercises):
+        print(f"wrote {args.exercises}/{name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
