@@ -54,7 +54,8 @@ def _is_user(file):
 
 def _where(frame):
     file, line, func = frame
-    source = linecache.getline(file, line).strip()
+    # A trailing comment is the author's note, not what the rank is doing.
+    source = re.sub(r"\s+#[^'\"]*$", "", linecache.getline(file, line).strip())
     place = f"{func}, line {line}" if func != "<module>" else f"line {line}"
     return f"{place}: {source}" if source else f"{place} ({os.path.basename(file)})"
 

@@ -74,6 +74,8 @@ def compare(got, expected, context, atol=1e-6, rtol=1e-5):
     """Raise CheckFailed('<context>, element [i]: expected .., got ..') when they differ."""
     found = first_difference(got, expected, atol, rtol)
     if found:
+        if found.startswith("the value: "):
+            raise CheckFailed(f"{context}: {found[len('the value: '):]}.")
         raise CheckFailed(f"{context}, {found}.")
 
 

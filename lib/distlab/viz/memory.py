@@ -1,0 +1,33 @@
+"""Stacked bars of where training memory goes, against a GPU's capacity."""
+import matplotlib.pyplot as plt
+
+COLORS = {"weights": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868",
+          "activations": "#C44E52"}
+
+
+def memory_bars(columns, capacity=None, capacity_label="one 80 GB GPU", unit=1e9,
+                unit_name="GB", title=None, ax=None, log=False):
+    """columns: {bar label: {"weights": bytes, "grads": bytes, ...}} drawn as stacked bars."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(1.6 + 1.6 * len(columns), 4))
+    labels = list(columns)
+    parts = [p for p in COLORS if any(p in columns[c] for c in labels)]
+    bottoms = [0.0] * len(labels)
+    for part in parts:
+        heights = [columns[c].get(part, 0) / unit for c in labels]
+        ax.bar(labels, heights, bottom=bottoms, color=COLORS[part], label=part, width=0.6)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    for i, total in enumerate(bottoms):
+        ax.text(i, total, f"{total:,.0f} {unit_name}", ha="center", va="bottom", fontsize=9)
+    if capacity is not None:
+        ax.axhline(capacity / unit, color="black", linestyle="--", linewidth=1)
+        ax.text(len(labels) - 0.5, capacity / unit, f" {capacity_label}", va="bottom",
+                ha="right", fontsize=9)
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(unit_name)
+    ax.set_ylim(top=max(bottoms + [capacity / unit if capacity else 0]) * 1.15)
+    ax.legend(loc="upper left", fontsize=9)
+    if title:
+        ax.set_title(title)
+    return ax
