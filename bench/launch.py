@@ -1,0 +1,70 @@
+"""How long a 4-rank launch takes: distlab.run (cold and warm) against torch.multiprocessing.spawn.
+
+Each launch does the same work: start 4 processes, initialise a gloo process group, all_reduce
+one tensor, destroy the group, exit. Prints the times and the ratios, all measured in this run.
+
+    python bench/launch.py [--world-size 4] [--repeats 5]
+"""
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import distlab
+
+
+def work(rank, world_size):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def spawned(rank, world_size, port):
+    # What a script written for mp.spawn does by hand.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    work(rank, world_size)
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    n = args.world_size
+
+    cold = timed(lambda: distlab.run(work, n))
+    warm = [timed(lambda: distlab.run(work, n)) for _ in range(args.repeats)]
+    spawn = [timed(lambda: mp.spawn(spawned, args=(n, free_port()), nprocs=n, join=True))
+             for _ in range(max(1, args.repeats // 2))]
+
+    warm_s, spawn_s = statistics.median(warm), statistics.median(spawn)
+    print(f"{n}-rank launch (start, init gloo, all_reduce, destroy, exit), "
+          f"{len(os.sched_getaffinity(0))} cores, torch {torch.__version__}")
+    print(f"  distlab.run, cold (starts the forkserver): {cold * 1000:8.0f} ms")
+    print(f"  distlab.run, warm (median of {len(warm)}):         {warm_s * 1000:8.0f} ms")
+    print(f"  mp.spawn (median of {len(spawn)}):                  {spawn_s * 1000:8.0f} ms")
+    print(f"  ratio mp.spawn / distlab.run warm:        {spawn_s / warm_s:8.1f}x")
+    print(f"  ratio cold / warm:                        {cold / warm_s:8.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The small models and data shared by the course, and the single-process reference training.
+
+Every strategy chapter proves "equal to one process" against `train_reference`, so everything
+here is deterministic: a model built with the same seed has the same weights in every process,
+and a dataset built with the same seed has the same samples.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _seeded(seed, build):
+    # fork_rng: building a model must not move the caller's global random state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+# ---- an MLP for regression --------------------------------------------------------------------
+
+class MLP(nn.Module):
+    """Linear → GELU → ... → Linear, as an nn.Sequential named `net` (easy to split into stages)."""
+
+    def __init__(self, sizes=(16, 64, 64, 4)):
+        super().__init__()
+        layers = []
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers.append(nn.Linear(a, b))
+            if i < len(sizes) - 2:
+                layers.append(nn.GELU())
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def make_mlp(sizes=(16, 64, 64, 4), seed=0):
+    return _seeded(seed, lambda: MLP(sizes))
+
+
+def regression_data(n=256, in_dim=16, out_dim=4, seed=0):
+    """(x, y) with y a fixed random nonlinear function of x, plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, in_dim, generator=g)
+    w = torch.randn(in_dim, out_dim, generator=g) / math.sqrt(in_dim)
+    y = torch.tanh(x @ w) + 0.05 * torch.randn(n, out_dim, generator=g)
+    return x, y
+
+
+# ---- a tiny GPT ---------------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    def __init__(self, d_model, n_heads):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}.")
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model, hidden):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, hidden)
+        self.fc2 = nn.Linear(hidden, d_model)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model, n_heads, hidden):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = Attention(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = FeedForward(d_model, hidden)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16, hidden=None):
+        super().__init__()
+        self.seq_len = seq_len
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, hidden or 4 * d_model)
+                                    for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        if t > self.seq_len:
+            raise ValueError(f"sequence of length {t} is longer than seq_len={self.seq_len}.")
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def make_gpt(seed=0, **config):
+    return _seeded(seed, lambda: TinyGPT(**config))
+
+
+def token_data(n=64, seq_len=16, vocab=64, seed=0):
+    """(inputs, targets): sequences that follow a fixed random rule, so there is something to learn."""
+    g = torch.Generator().manual_seed(seed)
+    step = torch.randint(1, vocab, (n, 1), generator=g)
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    seq = (start + step * torch.arange(seq_len + 1)) % vocab
+    return seq[:, :-1], seq[:, 1:]
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# ---- the single-process reference ----------------------------------------------------------------
+
+def make_optimizer(params, name="sgd", lr=0.05):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(f"optimizer must be 'sgd' or 'adam'; got {name!r}.")
+
+
+def train_reference(model, batches, loss_fn=F.mse_loss, optimizer="sgd", lr=0.05):
+    """Train `model` in this process on `batches` [(x, y), ...], one optimizer step each.
+
+    Returns the loss of every step; the model is trained in place. This is the ground truth
+    every distributed strategy of the course is compared with.
+    """
+    opt = make_optimizer(model.parameters(), optimizer, lr)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def batches_of(x, y, batch_size, steps):
+    """`steps` consecutive global batches of `batch_size` samples (wrapping around the data)."""
+    out = []
+    for s in range(steps):
+        idx = torch.arange(s * batch_size, (s + 1) * batch_size) % len(x)
+        out.append((x[idx], y[idx]))
+    return out
