@@ -20,7 +20,7 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --notebook-dir=. notebooks/00_why_distributed.ipynb
 
 test: $(STAMP)
-	$(PY) -m pytest tests notebooks solutions $(NBVAL) --timeout=900 -q
+	DISTLAB_NO_PROGRESS=1 $(PY) -m pytest tests notebooks solutions $(NBVAL) --timeout=900 -q
 
 # Re-execute notebooks in place as nbval sees them: `make regen` or `make regen NB=notebooks/03_*.ipynb`
 regen: $(STAMP)

@@ -206,11 +206,11 @@ def hang_in_collective(rank, world_size, folder):
 def test_timeout_names_running_ranks_and_where_they_are(pid_dir, capsys):
     folder, pids = pid_dir
     with pytest.raises(RunTimeout) as info:
-        distlab.run(hang_in_collective, 3, folder, timeout=3)
+        distlab.run(hang_in_collective, 3, folder, timeout=6)
     e = info.value
     assert e.running == [0, 1, 2]
     lines = str(e).splitlines()
-    assert lines[0] == "distlab.run timed out after 3 s: ranks 0, 1 and 2 still running."
+    assert lines[0] == "distlab.run timed out after 6 s: ranks 0, 1 and 2 still running."
     assert lines[1].startswith("  rank 0: waits in all_reduce, called from hang_in_collective")
     assert lines[2].startswith("  rank 1: is at hang_in_collective") and "time.sleep(60)" in lines[2]
     assert lines[3].startswith("  rank 2: waits in all_reduce")
@@ -224,7 +224,7 @@ def test_finished_ranks_are_reported_as_finished():
         if rank == 0:
             time.sleep(60)
     with pytest.raises(RunTimeout) as info:
-        distlab.run(only_rank_0_hangs, 2, timeout=2)
+        distlab.run(only_rank_0_hangs, 2, timeout=5)
     assert info.value.running == [0]
     assert "rank 1: finished" in str(info.value)
 
@@ -252,6 +252,15 @@ def test_bad_input_is_refused_with_a_sentence(fn, world_size, kwargs, error, phr
 def test_arguments_that_cannot_be_pickled_are_named():
     with pytest.raises(TypeError, match=r"cannot send argument 2 \(generator\) to the ranks"):
         distlab.run(return_tensors, 2, 1, (x for x in range(3)), offset=0)
+
+
+def launch_inside(rank, world_size):
+    return distlab.run(all_reduce_rank, 2)
+
+
+def test_a_rank_cannot_launch_ranks_of_its_own():
+    with pytest.raises(RankFailed, match="cannot be called from inside a rank"):
+        distlab.run(launch_inside, 1)
 
 
 def test_calling_the_function_instead_of_passing_it_is_explained():

@@ -104,6 +104,9 @@ def _check_arguments(fn, world_size, timeout, backend, threads):
         raise RuntimeError(
             "distlab.run was called while a new process was importing your script. Put the code "
             "that launches ranks under `if __name__ == \"__main__\":`.")
+    if _worker._rank is not None:
+        raise RuntimeError("distlab.run cannot be called from inside a rank: call it from the "
+                           "notebook (or script) that launches the ranks.")
     if not callable(fn):
         raise TypeError(
             f"distlab.run needs a function to run on every rank, but got {fn!r} (a "
@@ -568,7 +571,7 @@ class _Progress:
         self.bar = ipywidgets.IntProgress(value=0, min=0, max=1)
         self.label = ipywidgets.Label()
         self.box = ipywidgets.HBox([self.bar, self.label])
-        display(self.box)
+        self.handle = display(self.box, display_id=True)
         return self
 
     def update(self, desc, n, total):
@@ -578,3 +581,5 @@ class _Progress:
 
     def close(self):
         self.box.close()
+        # Replace the output too, so a saved notebook keeps no trace of the bar.
+        self.handle.update({"text/plain": ""}, raw=True)
