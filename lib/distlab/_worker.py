@@ -95,6 +95,9 @@ def main(spec, payload, conn, out_w, err_w):
 
 def _init_process_group(spec):
     from datetime import timedelta
+    # Without this barrier a rank that finishes fast (point-to-point code) can exit while a
+    # peer is still connecting to it inside init, and that peer fails with "Connection closed".
+    os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
     store = dist.TCPStore(spec["master_addr"], spec["store_port"], spec["world_size"],
                           is_master=False, timeout=timedelta(seconds=spec["pg_timeout"]))
     dist.init_process_group(spec["backend"], store=store, rank=_rank,

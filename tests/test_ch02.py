@@ -1,0 +1,207 @@
+"""Chapter 02: the collective pictures read real runs, and the checkers pass right answers and
+name what is wrong in wrong ones."""
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import distlab  # noqa: E402
+from distlab.checks import CheckFailed, ch02  # noqa: E402
+from distlab.viz import collectives as viz  # noqa: E402
+
+WORLD_SIZES = (2, 3, 4)
+
+
+def _every_collective(rank, world_size):
+    """(name, before, after) for each collective the chapter draws, as the notebook returns them."""
+    base = lambda n=2: torch.arange(float(n)) + 10 * (rank + 1)  # noqa: E731
+    out = []
+    x = base(world_size)
+    before = x.clone()
+    dist.all_reduce(x)
+    out.append(("all_reduce", before, x))
+    x = base(world_size)
+    before = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    out.append(("all_reduce_max", before, x))
+    gathered = [torch.empty(2) for _ in range(world_size)]
+    dist.all_gather(gathered, base())
+    out.append(("all_gather", base(), gathered))
+    x = base(world_size)
+    shard = torch.empty(1)
+    dist.reduce_scatter_single(shard, x)
+    out.append(("reduce_scatter", x, shard))
+    x = base(world_size)
+    received = torch.empty_like(x)
+    dist.all_to_all_single(received, x)
+    out.append(("all_to_all", x, received))
+    gathered = [torch.empty(2) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(base(), gathered, dst=0)
+    out.append(("gather", base(), gathered))
+    return out
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES)
+def runs(request):
+    results = distlab.run(_every_collective, request.param, timeout=60)
+    return request.param, {name: [(b, a) for (n, b, a) in (r[i] for r in results)]
+                           for i, (name, _, _) in enumerate(results[0])}
+
+
+def _after_sources(pairs):
+    before = [viz.as_row(b) for b, _ in pairs]
+    return [None if a is None else viz.sources(before, viz.as_row(a)[0]) for _, a in pairs]
+
+
+def test_sources_follow_the_data_of_real_collectives(runs):
+    ws, by_name = runs
+    # all_gather: chunk j of every rank's output came from rank j.
+    for row in _after_sources(by_name["all_gather"]):
+        assert row == [j for j in range(ws) for _ in range(2)]
+    # all_to_all: rank r's element j came from rank j.
+    for row in _after_sources(by_name["all_to_all"]):
+        assert row == list(range(ws))
+    # a sum is nobody's value; a max is the largest rank's.
+    assert all(s is None for row in _after_sources(by_name["all_reduce"]) for s in row)
+    assert all(s == ws - 1 for row in _after_sources(by_name["all_reduce_max"]) for s in row)
+    gather = _after_sources(by_name["gather"])
+    assert gather[0] == [j for j in range(ws) for _ in range(2)]
+    assert gather[1:] == [None] * (ws - 1)
+
+
+def test_before_after_draws_what_every_collective_returns(runs):
+    ws, by_name = runs
+    for name, pairs in by_name.items():
+        fig = viz.before_after(pairs, name, note="a note")
+        left, right = fig.axes
+        assert [t.get_text() for t in left.get_yticklabels()] == [f"rank {r}" for r in range(ws)]
+        # one number per element of every defined row, drawn in the right panel
+        drawn = [t.get_text() for t in right.texts]
+        expected = [viz._fmt(v) for _, a in pairs if a is not None for v in viz.as_row(a)[0]]
+        assert [d for d in drawn if d != "nothing defined on this rank"] == expected
+        plt.close(fig)
+
+
+def test_as_row_lays_pieces_end_to_end():
+    assert viz.as_row([torch.tensor([1.0, 2.0]), torch.tensor([3.0])]) == ([1.0, 2.0, 3.0], [2])
+    assert viz.as_row(None) is None
+    with pytest.raises(TypeError, match="draws tensors"):
+        viz.as_row("text")
+    with pytest.raises(TypeError, match="one \\(before, after\\) pair"):
+        viz.before_after([1, 2])
+
+
+def test_timeline_draws_a_barrier_run():
+    def staggered(rank, world_size):
+        import time
+        start = time.time()
+        time.sleep(0.02 * rank)
+        arrive = time.time()
+        dist.barrier()
+        return start, arrive, time.time()
+
+    results = distlab.run(staggered, 3, timeout=60)
+    # The barrier lets nobody go before the last rank arrives.
+    assert min(leave for _, _, leave in results) >= max(arrive for _, arrive, _ in results)
+    fig = viz.timeline([[("work", s, a), ("wait", a, l)] for s, a, l in results], "barrier")
+    assert len(fig.axes[0].patches) == 6
+    plt.close(fig)
+
+
+# ---- checkers ------------------------------------------------------------------------------------
+
+def predict_reduce_scatter(inputs):
+    total = torch.stack(inputs).sum(0)
+    return list(total.chunk(len(inputs)))
+
+
+def predict_all_to_all(inputs):
+    ws = len(inputs)
+    chunks = [t.chunk(ws) for t in inputs]
+    return [torch.cat([chunks[src][dst] for src in range(ws)]) for dst in range(ws)]
+
+
+def all_gather_uneven(tensor):
+    ws = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(ws)]
+    dist.all_gather(sizes, torch.tensor([tensor.numel()]))
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=tensor.dtype)
+    padded[:tensor.numel()] = tensor
+    out = [torch.empty_like(padded) for _ in range(ws)]
+    dist.all_gather(out, padded)
+    return [o[:int(s)] for o, s in zip(out, sizes)]
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_the_answer_key_equals_the_real_collectives(ws):
+    inputs = ch02._inputs(ws, 2 * ws, seed=0)
+    for collective, predict in (("reduce_scatter", predict_reduce_scatter),
+                                ("all_to_all", predict_all_to_all)):
+        real = ch02.real(collective, inputs)
+        for got, want in zip(predict(inputs), real):
+            assert torch.equal(got, want)
+
+
+def test_checkers_pass_right_answers(capsys):
+    ch02.check_predict_reduce_scatter(predict_reduce_scatter)
+    ch02.check_predict_all_to_all(predict_all_to_all)
+    ch02.check_all_gather_uneven(all_gather_uneven)
+    assert capsys.readouterr().out.count("✅") == 3
+
+
+def test_a_wrong_prediction_names_world_size_rank_and_element():
+    def all_reduce_instead(inputs):  # forgets the scatter: every rank gets the whole sum
+        return [torch.stack(inputs).sum(0) for _ in inputs]
+
+    with pytest.raises(CheckFailed,
+                       match=r"world_size=2 .*rank 0.*expected shape \(1,\), got \(2,\)"):
+        ch02.check_predict_reduce_scatter(all_reduce_instead)
+
+    def transposed_wrong(inputs):  # keeps its own chunks: the identity
+        return [t.clone() for t in inputs]
+
+    with pytest.raises(CheckFailed, match=r"world_size=2 .*rank 0, element \[1\]: expected "):
+        ch02.check_predict_all_to_all(transposed_wrong)
+
+    with pytest.raises(CheckFailed, match="expected 2 items, got 1"):
+        ch02.check_predict_all_to_all(lambda inputs: [inputs[0]])
+
+
+def test_all_gather_uneven_without_trimming_is_caught():
+    def untrimmed(tensor):
+        ws = dist.get_world_size()
+        padded = torch.zeros(8)
+        padded[:tensor.numel()] = tensor
+        out = [torch.empty(8) for _ in range(ws)]
+        dist.all_gather(out, padded)
+        return out
+
+    with pytest.raises(CheckFailed, match=r"world_size=2 \(lengths .*\), rank 0.*\[0\].*"
+                                          r"expected shape"):
+        ch02.check_all_gather_uneven(untrimmed)
+
+
+def test_a_crashing_all_gather_is_reported_in_one_sentence():
+    def plain_all_gather(tensor):  # gloo refuses pieces of different lengths
+        pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(pieces, tensor)
+        return pieces
+
+    with pytest.raises(CheckFailed, match=r"world_size=2 \(lengths 2, 0\) failed: rank \d raised "
+                                          r"RuntimeError: .*same shapes on every rank"):
+        ch02.check_all_gather_uneven(plain_all_gather)
+
+
+def test_stubs_give_one_line_not_implemented():
+    def stub(*args):
+        raise NotImplementedError("exercise: replace this line with your code")
+
+    for check in (ch02.check_predict_reduce_scatter, ch02.check_predict_all_to_all,
+                  ch02.check_all_gather_uneven):
+        with pytest.raises(NotImplementedError, match="is not written yet"):
+            check(stub)
