@@ -1,0 +1,253 @@
+"""Collectives built from nothing but point-to-point messages (send/recv, isend/irecv).
+
+    ring_all_reduce(t)            every rank ends with the reduction of all ranks' t (in place)
+    ring_reduce_scatter(t)        rank r ends with chunk r of that reduction
+    ring_all_gather(t)            every rank ends with the list of all ranks' t
+    tree_broadcast(t, src)        every rank ends with src's t, in ceil(log2 N) rounds
+    all_to_all(outs, ins)         rank r sends ins[j] to rank j and receives outs[j] from rank j
+    naive_all_reduce(t)           reduce to one root, then send back: the baseline the ring beats
+
+Every function takes an explicit `group` (None: the default group) and speaks in ranks of that
+group. They work for any world size >= 1 and any number of elements: a tensor is cut into N
+chunks the way `torch.tensor_split` cuts it, so chunks differ by at most one element and some
+are empty when the tensor has fewer elements than there are ranks.
+
+The ring all-reduce is a ring reduce-scatter followed by a ring all-gather. In each of the
+2(N-1) steps a rank sends one chunk (1/N of the tensor) to its right neighbour and receives one
+from its left, so every rank sends 2(N-1)/N of the tensor in total, however large N is.
+"""
+import torch
+import torch.distributed as dist
+
+_COMBINE = {
+    "sum": torch.add,
+    "mean": torch.add,          # summed on the ring, divided by N once at the end
+    "max": torch.maximum,
+    "min": torch.minimum,
+}
+_FROM_REDUCE_OP = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean",
+                   dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+
+
+# ---- the arithmetic of the ring (shared with the pictures in distlab.viz.ring) -----------------
+
+def chunk_bounds(length, world_size):
+    """[(start, stop)] of the N chunks of `length` elements, as torch.tensor_split cuts them."""
+    base, extra = divmod(length, world_size)
+    bounds, start = [], 0
+    for i in range(world_size):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def reduce_scatter_step(rank, step, world_size):
+    """(chunk this rank sends right, chunk it receives from the left) at reduce-scatter `step`.
+
+    Chunk c starts its trip at rank c+1 and picks up one rank's contribution per step, so after
+    N-1 steps it arrives, complete, at rank c: rank r owns chunk r, as torch's reduce_scatter has it.
+    """
+    return (rank - step - 1) % world_size, (rank - step - 2) % world_size
+
+
+def all_gather_step(rank, step, world_size):
+    """(chunk this rank sends right, chunk it receives from the left) at all-gather `step`.
+
+    Rank r starts with chunk r and forwards whatever arrived in the step before.
+    """
+    return (rank - step) % world_size, (rank - step - 1) % world_size
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def _rank_and_size(group):
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this rank is not a member of the process group it was given.")
+    return rank, dist.get_world_size(group)
+
+
+def _op_name(op):
+    name = _FROM_REDUCE_OP.get(op, op)
+    if name not in _COMBINE:
+        raise ValueError(f"op must be one of {sorted(_COMBINE)} (or the matching dist.ReduceOp); "
+                         f"got {op!r}.")
+    return name
+
+
+def _check_mean(tensor, op):
+    if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"op='mean' needs a floating-point tensor, but got {tensor.dtype}: "
+                        f"the average of whole numbers is generally not a whole number.")
+
+
+def _exchange(send_buf, dst, recv_buf, src, group):
+    """Send to one neighbour and receive from another at the same time.
+
+    Posting both before waiting is what keeps a ring from deadlocking: if every rank first sent
+    and only then received, each would wait for its neighbour to start receiving. The two are
+    submitted together with batch_isend_irecv, which on NCCL groups them into one launch (two
+    separate isend/irecv to the same peer can deadlock there at world size 2); on gloo it is the
+    same as calling isend and irecv. Empty chunks travel no message: both ends know the sizes.
+    """
+    ops = []
+    if send_buf.numel() > 0:
+        ops.append(dist.P2POp(dist.isend, send_buf, group=group, group_peer=dst))
+    if recv_buf.numel() > 0:
+        ops.append(dist.P2POp(dist.irecv, recv_buf, group=group, group_peer=src))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _ring_reduce_scatter_(flat, bounds, op, group):
+    """In place on a flat buffer: afterwards chunk `rank` of `flat` holds the reduction."""
+    rank, n = _rank_and_size(group)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    combine = _COMBINE[op]
+    incoming = torch.empty(max(stop - start for start, stop in bounds), dtype=flat.dtype,
+                           device=flat.device)
+    for step in range(n - 1):
+        send_c, recv_c = reduce_scatter_step(rank, step, n)
+        (s0, s1), (r0, r1) = bounds[send_c], bounds[recv_c]
+        buf = incoming[:r1 - r0]
+        _exchange(flat[s0:s1], right, buf, left, group)
+        combine(flat[r0:r1], buf, out=flat[r0:r1])
+
+
+def _ring_all_gather_(flat, bounds, group):
+    """In place on a flat buffer whose chunk `rank` is filled: afterwards every chunk is."""
+    rank, n = _rank_and_size(group)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send_c, recv_c = all_gather_step(rank, step, n)
+        (s0, s1), (r0, r1) = bounds[send_c], bounds[recv_c]
+        # Sending chunk a and receiving chunk b != a into the same buffer never overlap.
+        _exchange(flat[s0:s1], right, flat[r0:r1], left, group)
+
+
+# ---- the collectives ----------------------------------------------------------------------------
+
+def ring_all_reduce(tensor, op="sum", group=None):
+    """Reduce `tensor` over the ranks of `group`, in place, like dist.all_reduce; returns it.
+
+    op: "sum", "mean", "max" or "min" (or dist.ReduceOp.SUM / AVG / MAX / MIN).
+    """
+    op = _op_name(op)
+    _check_mean(tensor, op)
+    rank, n = _rank_and_size(group)
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.flatten()
+    bounds = chunk_bounds(flat.numel(), n)
+    _ring_reduce_scatter_(flat, bounds, op, group)
+    if op == "mean":
+        start, stop = bounds[rank]
+        flat[start:stop] /= n        # once, on the chunk this rank owns, before it is shared
+    _ring_all_gather_(flat, bounds, group)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+def ring_reduce_scatter(tensor, op="sum", group=None):
+    """Chunk `rank` (torch.tensor_split of the flattened tensor into N) of the reduction over ranks.
+
+    `tensor` is left unchanged, like the inputs of dist.reduce_scatter.
+    """
+    op = _op_name(op)
+    _check_mean(tensor, op)
+    rank, n = _rank_and_size(group)
+    flat = tensor.flatten().clone()
+    bounds = chunk_bounds(flat.numel(), n)
+    _ring_reduce_scatter_(flat, bounds, op, group)
+    start, stop = bounds[rank]
+    out = flat[start:stop].clone()
+    if op == "mean":
+        out /= n
+    return out
+
+
+def ring_all_gather(tensor, group=None):
+    """The list of every rank's `tensor` (same shape on all ranks), in rank order, like dist.all_gather."""
+    rank, n = _rank_and_size(group)
+    size = tensor.numel()
+    flat = torch.empty(n * size, dtype=tensor.dtype, device=tensor.device)
+    flat[rank * size:(rank + 1) * size] = tensor.reshape(-1)
+    _ring_all_gather_(flat, [(i * size, (i + 1) * size) for i in range(n)], group)
+    return list(flat.view(n, *tensor.shape).unbind(0))
+
+
+def tree_broadcast(tensor, src=0, group=None):
+    """Copy rank `src`'s tensor to every rank, in place, along a binomial tree; returns it.
+
+    Count ranks relative to src (v = rank - src mod N). In round k the 2^k ranks that already
+    hold the data (v < 2^k) each send it to v + 2^k, so the number of holders doubles every
+    round and ceil(log2 N) rounds reach everyone, where a root sending to each rank in turn
+    would need N - 1.
+    """
+    rank, n = _rank_and_size(group)
+    if not 0 <= src < n:
+        raise ValueError(f"src must be a rank of the group, 0 to {n - 1}; got {src}.")
+    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+    v = (rank - src) % n
+    mask = 1
+    while mask < n:
+        if v < mask and v + mask < n:
+            dist.send(buf, group=group, group_dst=(v + mask + src) % n)
+        elif mask <= v < 2 * mask:
+            dist.recv(buf, group=group, group_src=(v - mask + src) % n)
+        mask *= 2
+    if buf is not tensor:
+        tensor.copy_(buf)
+    return tensor
+
+
+def all_to_all(output_list, input_list, group=None):
+    """Rank r sends input_list[j] to rank j and receives output_list[j] from rank j, like dist.all_to_all.
+
+    Sizes may differ between pairs (each receiver gives the shapes it expects). In step s every
+    rank sends to rank + s and receives from rank - s, so each step is a permutation: no rank
+    receives two messages at once.
+    """
+    rank, n = _rank_and_size(group)
+    if len(input_list) != n or len(output_list) != n:
+        raise ValueError(f"all_to_all needs one input and one output tensor per rank ({n}); got "
+                         f"{len(input_list)} inputs and {len(output_list)} outputs.")
+    output_list[rank].copy_(input_list[rank])
+    for step in range(1, n):
+        dst, src = (rank + step) % n, (rank - step) % n
+        out = output_list[src]
+        buf = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        _exchange(input_list[dst].contiguous(), dst, buf, src, group)
+        if buf is not out:
+            out.copy_(buf)
+    return output_list
+
+
+def naive_all_reduce(tensor, op="sum", group=None, root=0):
+    """All-reduce the obvious way: everyone sends to `root`, root reduces and sends the result back.
+
+    Correct, and the baseline of the cost model: root receives N-1 whole tensors and sends N-1,
+    one after another, so its time grows linearly with N where the ring's stays nearly flat.
+    """
+    op = _op_name(op)
+    _check_mean(tensor, op)
+    rank, n = _rank_and_size(group)
+    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+    if rank == root:
+        incoming = torch.empty_like(buf)
+        for other in range(n):
+            if other != root:
+                dist.recv(incoming, group=group, group_src=other)
+                _COMBINE[op](buf, incoming, out=buf)
+        if op == "mean":
+            buf /= n
+        for other in range(n):
+            if other != root:
+                dist.send(buf, group=group, group_dst=other)
+    else:
+        dist.send(buf, group=group, group_dst=root)
+        dist.recv(buf, group=group, group_src=root)
+    if buf is not tensor:
+        tensor.copy_(buf)
+    return tensor

@@ -1,0 +1,173 @@
+"""The α-β model of communication: how long should a collective take?
+
+Sending one message of S bytes over a link costs  α + S·β :  α is the latency (seconds per
+message: software, handshakes, the wire's delay) and β = 1/B the time per byte at bandwidth B.
+A collective is a sequence of rounds; its time is the rounds on the critical path times α plus
+the bytes on the critical path times β. So every formula here is a pair (messages, bytes):
+
+    collective (N ranks, S bytes)      messages          bytes
+    ring all-reduce                    2(N-1)            2(N-1)/N · S
+    ring reduce-scatter / all-gather   N-1               (N-1)/N · S      (S: the full tensor)
+    binomial-tree broadcast            ceil(log2 N)      ceil(log2 N) · S
+    naive all-reduce (via one root)    2(N-1)            2(N-1) · S
+    pairwise all-to-all                N-1               (N-1)/N · S      (S: what one rank sends)
+    one send                           1                 S
+
+The ring's bytes tend to 2S as N grows: adding ranks barely slows it, which is why data
+parallelism scales. The naive root's bytes grow with N. The tree wins on latency (log N rounds)
+and loses on bandwidth (whole tensor each round), so it suits small messages.
+
+`fit` finds α and β from measured times; `PRESETS` holds rough links for planning.
+"""
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link of latency `alpha` (seconds per message) and `bandwidth` (bytes per second)."""
+    alpha: float
+    bandwidth: float
+    name: str = ""
+
+    @property
+    def beta(self):
+        """Seconds per byte."""
+        return 1.0 / self.bandwidth
+
+    def __str__(self):
+        label = f"{self.name}: " if self.name else ""
+        return f"{label}α = {self.alpha * 1e6:.3g} µs, B = {self.bandwidth / 1e9:.3g} GB/s"
+
+
+# Order-of-magnitude figures for planning (per direction, per GPU), not measurements. Real
+# collectives reach a fraction of the nominal bandwidth; measure your own with `fit`.
+PRESETS = {
+    "nvlink4": Link(3e-6, 450e9, "NVLink 4 (H100 SXM, inside a node)"),
+    "pcie4": Link(5e-6, 25e9, "PCIe Gen4 x16 (GPUs without NVLink, inside a node)"),
+    "infiniband_ndr": Link(10e-6, 50e9, "InfiniBand NDR 400 Gb/s (between nodes)"),
+    "ethernet_100g": Link(20e-6, 12.5e9, "100 Gb Ethernet (between nodes)"),
+    "ethernet_10g": Link(50e-6, 1.25e9, "10 Gb Ethernet (between nodes)"),
+}
+INTRA_NODE = PRESETS["nvlink4"]
+INTER_NODE = PRESETS["infiniband_ndr"]
+
+
+def _tree_rounds(n):
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+# (messages, bytes) on the critical path of each collective, for N ranks and S bytes.
+TERMS = {
+    "ring_all_reduce": lambda s, n: (2 * (n - 1), 2 * (n - 1) / n * s),
+    "ring_reduce_scatter": lambda s, n: (n - 1, (n - 1) / n * s),
+    "ring_all_gather": lambda s, n: (n - 1, (n - 1) / n * s),
+    "tree_broadcast": lambda s, n: (_tree_rounds(n), _tree_rounds(n) * s),
+    "naive_all_reduce": lambda s, n: (2 * (n - 1), 2 * (n - 1) * s),
+    "all_to_all": lambda s, n: (n - 1, (n - 1) / n * s),
+    "send": lambda s, n: (1, s),
+}
+
+
+def terms(collective, nbytes, world_size):
+    """(messages, bytes) on the critical path: time = messages·α + bytes·β."""
+    if collective not in TERMS:
+        raise ValueError(f"unknown collective {collective!r}; the model knows {sorted(TERMS)}.")
+    if world_size < 1 or nbytes < 0:
+        raise ValueError(f"need world_size >= 1 and nbytes >= 0; got {world_size} and {nbytes}.")
+    return TERMS[collective](nbytes, world_size)
+
+
+def predict(collective, nbytes, world_size, link):
+    """Modelled seconds for `collective` of `nbytes` bytes on `world_size` ranks over `link`."""
+    messages, volume = terms(collective, nbytes, world_size)
+    return messages * link.alpha + volume * link.beta
+
+
+def ring_all_reduce_time(nbytes, world_size, link):
+    """2(N-1)·α + 2(N-1)/N · S/B."""
+    return predict("ring_all_reduce", nbytes, world_size, link)
+
+
+def bus_bandwidth(collective, nbytes, world_size, seconds):
+    """Bytes on the critical path per second: comparable across N (nccl-tests calls it busbw)."""
+    return terms(collective, nbytes, world_size)[1] / seconds
+
+
+def fit(measurements, name="fitted"):
+    """The Link that best explains `measurements`: [(collective, nbytes, world_size, seconds)].
+
+    Least squares on the relative error: times span several orders of magnitude, and absolute
+    errors would let the largest message decide everything (and α come out as noise). α and B
+    are kept non-negative: a model with negative latency explains nothing.
+    """
+    rows, times = [], []
+    for collective, nbytes, world_size, seconds in measurements:
+        m, b = terms(collective, nbytes, world_size)
+        if seconds <= 0:
+            raise ValueError(f"measured times must be positive; got {seconds} s.")
+        if m == 0 and b == 0:
+            continue  # one rank communicates nothing: it says nothing about the link
+        rows.append((m / seconds, b / seconds))
+        times.append(1.0)
+    if len(rows) < 2:
+        raise ValueError("fit needs at least two measurements with communication in them.")
+    a = torch.tensor(rows, dtype=torch.float64)
+    y = torch.tensor(times, dtype=torch.float64)
+    # Scale the columns so that α (~1e-5) and β (~1e-9) are solved on equal terms.
+    scale = a.abs().max(dim=0).values.clamp_min(1e-300)
+    if torch.linalg.matrix_rank(a / scale) < 2:
+        raise ValueError("fit needs measurements at different sizes to tell α from β.")
+    alpha, beta = (torch.linalg.lstsq(a / scale, y.unsqueeze(1)).solution.squeeze(1) / scale).tolist()
+    if alpha < 0 or beta <= 0:
+        # One parameter alone on the boundary: refit the other with least squares.
+        col = 1 if alpha < 0 else 0
+        x = a[:, col]
+        best = float((x @ y) / (x @ x))
+        alpha, beta = (0.0, best) if col == 1 else (best, 0.0)
+    return Link(alpha, 1.0 / beta if beta > 0 else math.inf, name)
+
+
+def relative_errors(measurements, link):
+    """(predicted - measured) / measured for each measurement."""
+    return [(predict(c, s, n, link) - t) / t for c, s, n, t in measurements]
+
+
+# ---- measuring, inside a rank ---------------------------------------------------------------------
+
+def measure(collective_fn, sizes, repeats=5, group=None, dtype=torch.float32, device=None):
+    """Seconds per call of `collective_fn(tensor)` for each size in bytes; call on every rank.
+
+    Each repetition starts together (a barrier) and counts the slowest rank, which is when the
+    collective is done; the median over repetitions resists the odd hiccup of a busy machine.
+    """
+    if device is None:
+        from .launch import device as rank_device
+        device = rank_device()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    out = []
+    for nbytes in sizes:
+        tensor = torch.zeros(max(1, nbytes // itemsize), dtype=dtype, device=device)
+        collective_fn(tensor)  # warm-up: first-use costs (connections, allocations) are not α
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            _sync(tensor)
+            start = time.perf_counter()
+            collective_fn(tensor)
+            _sync(tensor)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+            times.append(elapsed.item())
+        out.append(statistics.median(times))
+    return out
+
+
+def _sync(tensor):
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
