@@ -32,8 +32,7 @@ def first_difference(got, expected, atol=1e-6, rtol=1e-5, path=""):
         if bad.any():
             index = tuple(int(i) for i in bad.nonzero()[0])
             label = f"{path}[{', '.join(map(str, index))}]" if index else path
-            return (f"element {label or '[]'}: expected {_fmt(e[index].item())}, "
-                    f"got {_fmt(g[index].item())}")
+            return f"element {label or '[]'}: " + _expected_got(e[index].item(), g[index].item())
         return None
     if isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)):
@@ -59,11 +58,20 @@ def first_difference(got, expected, atol=1e-6, rtol=1e-5, path=""):
         if not isinstance(got, numbers.Real) or isinstance(got, bool):
             return f"{where}: expected a number ({_fmt(expected)}), got {type(got).__name__} {got!r}"
         if not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol):
-            return f"{where}: expected {_fmt(expected)}, got {_fmt(got)}"
+            return f"{where}: " + _expected_got(expected, got)
         return None
     if got != expected:
         return f"{where}: expected {expected!r}, got {got!r}"
     return None
+
+
+def _expected_got(expected, got):
+    # Enough digits to see the difference: close values look identical at 6 digits.
+    for digits in (6, 10, 17):
+        e, g = f"{expected:.{digits}g}", f"{got:.{digits}g}"
+        if e != g:
+            break
+    return f"expected {e}, got {g}"
 
 
 def _fmt(x):

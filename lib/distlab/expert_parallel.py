@@ -1,0 +1,197 @@
+"""Expert parallelism: the experts of an MoE layer spread over the ranks of an EP group.
+
+With E experts on an EP group of N ranks, rank r holds experts [r·E/N, (r+1)·E/N) and a copy of
+everything else (the router). Every rank brings its own batch of tokens. One layer is:
+
+    route          each rank routes its own tokens (the router is replicated)
+    dispatch plan  sort the kept assignments by expert; experts are contiguous per rank, so this
+                   also sorts them by destination rank; count the rows for each rank
+    exchange       all_to_all the per-expert counts, so every rank knows what it will receive
+    dispatch       all_to_all_single(rows, uneven splits): every token travels to its experts
+    experts        each rank runs its local experts on what it received
+    combine        all_to_all_single back along the reversed splits; then the inverse
+                   permutation: each row is scaled by its gate and added to its token
+
+all_to_all_single is not differentiable by itself: `AllToAll` is an autograd Function whose
+backward is the same exchange reversed (a gradient row goes back to where its token came from).
+A rank with no tokens for some expert, or none at all, still joins every exchange.
+
+EP × DP on a 2D mesh (dp, ep): the experts are sharded along "ep" and replicated along "dp";
+everything else is replicated everywhere. After backward, an expert's gradient already holds the
+contributions of its whole EP group (they came back through the all-to-all), so it is all-reduced
+over the DP group only; a replicated parameter's gradient is all-reduced over every rank.
+"""
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .moe import MoE, load_balancing_loss, route
+
+
+class AllToAll(torch.autograd.Function):
+    """forward: all_to_all_single of rows with uneven splits; backward: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, rows, out_splits, in_splits, group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = rows.new_empty((sum(out_splits),) + rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty((sum(ctx.in_splits),) + grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits,
+                               group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(rows, out_splits, in_splits, group):
+    """Send in_splits[j] rows to rank j, receive out_splits[j] rows from rank j (differentiable)."""
+    return AllToAll.apply(rows, list(out_splits), list(in_splits), group)
+
+
+# ---- the two pieces the workbook asks for -------------------------------------------------------
+
+def dispatch_plan(experts, keep, n_experts, ep_size):
+    """(order, send_splits): which assignments to send, in what order, and how many to each rank.
+
+    experts, keep: (T, k) from the routing. order indexes the flattened (T·k) assignments: the
+    kept ones, sorted by expert (stable, so ties keep token order). send_splits[j] is the number
+    of rows for rank j, which holds experts [j·E/N, (j+1)·E/N).
+    """
+    flat = experts.reshape(-1)
+    kept = keep.reshape(-1).nonzero().squeeze(1)
+    order = kept[torch.argsort(flat[kept], stable=True)]
+    destination = flat[order] // (n_experts // ep_size)
+    return order, torch.bincount(destination, minlength=ep_size).tolist()
+
+
+def combine(expert_out, token, gate, n_tokens):
+    """The inverse permutation: row i of expert_out, scaled by gate[i], is added to token[i]."""
+    out = expert_out.new_zeros((n_tokens,) + expert_out.shape[1:])
+    return out.index_add(0, token, gate.unsqueeze(-1) * expert_out)
+
+
+# ---- the layer ----------------------------------------------------------------------------------
+
+def check_ep_size(n_experts, ep_size):
+    if n_experts % ep_size:
+        raise ValueError(f"{n_experts} experts cannot be spread evenly over {ep_size} EP ranks: "
+                         f"the number of experts must be a multiple of the EP size.")
+    return n_experts // ep_size
+
+
+class ExpertParallelMoE(nn.Module):
+    """The experts of `moe` that this rank owns in `group`, plus a copy of its router.
+
+    forward(x) -> (y, aux) equals moe(x) on this rank's tokens. `plan` and `combine` can be
+    swapped (the workbook plugs in its own). After each forward, `stats` holds what this rank
+    sent and received, and how long its local experts took.
+    """
+
+    def __init__(self, moe: MoE, group=None, plan=dispatch_plan, combine=combine):
+        super().__init__()
+        self.group = group
+        self.ep_size, self.ep_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.n_experts = moe.n_experts
+        self.n_local = check_ep_size(moe.n_experts, self.ep_size)
+        self.first = self.ep_rank * self.n_local
+        self.top_k, self.capacity_factor = moe.top_k, moe.capacity_factor
+        # The full layer is built (same seed everywhere) and sliced: simple, and at scale one
+        # would initialise only the local experts.
+        self.router = copy.deepcopy(moe.router)
+        self.experts = nn.ModuleList(copy.deepcopy(moe.experts[self.first + i])
+                                     for i in range(self.n_local))
+        self.plan, self.combine = plan, combine
+        self.last_routing, self.stats = None, {}
+
+    def expert_parameters(self):
+        return list(self.experts.parameters())
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        routing = route(self.router(tokens), self.top_k, self.capacity_factor)
+        self.last_routing = routing._replace(**{k: getattr(routing, k).detach() for k in
+                                                ("probs", "experts", "gates", "keep")})
+        order, send_splits = self.plan(routing.experts, routing.keep, self.n_experts,
+                                       self.ep_size)
+        token, gate = order // self.top_k, routing.gates.reshape(-1)[order]
+
+        # Counts first: rank j learns how many rows of each of its experts every rank sends.
+        per_expert = torch.bincount(routing.experts.reshape(-1)[order], minlength=self.n_experts)
+        incoming = torch.empty_like(per_expert)
+        dist.all_to_all_single(incoming, per_expert, group=self.group)
+        incoming = incoming.view(self.ep_size, self.n_local)     # [source rank, local expert]
+        recv_splits = incoming.sum(dim=1).tolist()
+
+        received = all_to_all(tokens[token], recv_splits, send_splits, self.group)
+        started = time.perf_counter()
+        processed = self._run_local_experts(received, incoming)
+        seconds = time.perf_counter() - started
+        returned = all_to_all(processed, send_splits, recv_splits, self.group)
+        y = self.combine(returned, token, gate, len(tokens))
+
+        self.stats = {"sent_rows": send_splits, "received_rows": sum(recv_splits),
+                      "expert_seconds": seconds}
+        return y.reshape(x.shape), load_balancing_loss(routing)
+
+    def _run_local_experts(self, received, incoming):
+        # Rows arrive grouped by source rank, and inside each by local expert: regroup them by
+        # expert, run each expert once on all its rows, and put the outputs back in arrival order.
+        expert_of_row = torch.arange(self.n_local).repeat(self.ep_size)
+        expert_of_row = expert_of_row.repeat_interleave(incoming.reshape(-1))
+        by_expert = torch.argsort(expert_of_row, stable=True)
+        sizes = torch.bincount(expert_of_row, minlength=self.n_local).tolist()
+        chunks = received[by_expert].split(sizes)
+        out = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, chunks)])
+        return out[torch.argsort(by_expert)]
+
+
+# ---- EP × DP on a 2D mesh ------------------------------------------------------------------------
+
+def ep_dp_mesh(dp, ep):
+    """A DeviceMesh of shape (dp, ep): "ep" last, so an EP group is a run of neighbouring ranks
+    (the all-to-alls stay inside a node) and a DP group strides across them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from .launch import device
+    if dp * ep != dist.get_world_size():
+        raise ValueError(f"a ({dp}, {ep}) mesh needs {dp * ep} ranks; this run has "
+                         f"{dist.get_world_size()}.")
+    return init_device_mesh(device().type, (dp, ep), mesh_dim_names=("dp", "ep"))
+
+
+def expert_parallel_model(model, mesh):
+    """Replace `model.moe` by its expert-parallel shard on the mesh's "ep" group (in place)."""
+    model.moe = ExpertParallelMoE(model.moe, mesh.get_group("ep"))
+    return model
+
+
+def reduce_gradients(model, dp_group, world_group=None):
+    """Average the gradients of an EP × DP model so that every rank holds the global gradient.
+
+    The loss is the mean over all ranks of each rank's loss. Experts: their gradient already sums
+    their EP group's tokens, so sum over DP. Everything else is replicated: sum over all ranks.
+    """
+    world = dist.get_world_size(world_group)
+    experts = {id(p) for p in model.moe.expert_parameters()}
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=dp_group if id(p) in experts else world_group)
+        p.grad.div_(world)
+
+
+# ---- communication volume --------------------------------------------------------------------------
+
+def all_to_all_volume(tokens, top_k, d_model, ep_size, bytes_per_element=4):
+    """Bytes one rank sends in ONE of a layer's all-to-alls, with a uniform load and no dropping.
+
+    Each of its tokens·k rows lands on one of the N ranks uniformly, and the 1/N that stay home
+    cross no wire: tokens · k · (N-1)/N · d_model · bytes. A layer does two of them forward
+    (dispatch, combine) and two more backward.
+    """
+    return tokens * top_k * (ep_size - 1) / ep_size * d_model * bytes_per_element

@@ -1,0 +1,116 @@
+"""Pictures of mixture-of-experts routing: tokens → experts, per-expert load, load over training,
+and who sends how many rows to whom in the dispatch all-to-all."""
+import matplotlib.pyplot as plt
+import numpy as np
+
+_CMAP = plt.get_cmap("tab10")
+
+
+def expert_color(e):
+    return _CMAP(e % 10)
+
+
+def tokens_to_experts(routing, columns=16, title=None):
+    """Left: each token as a square in the colour of its first-choice expert (✕: dropped by every
+    expert it chose). Right: each expert's load — kept, and dropped past the capacity."""
+    experts, keep = routing.experts.cpu(), routing.keep.cpu()
+    n, n_experts = len(experts), routing.n_experts
+    rows = -(-n // columns)
+    fig, (grid, bars) = plt.subplots(1, 2, figsize=(11, max(2.2, 0.45 * rows + 1.2)),
+                                     gridspec_kw={"width_ratios": [1.6, 1]})
+    for t in range(n):
+        r, c = divmod(t, columns)
+        grid.add_patch(plt.Rectangle((c, -r), 0.9, 0.9, color=expert_color(int(experts[t, 0]))))
+        if not keep[t].any():
+            grid.plot([c + 0.1, c + 0.8], [-r + 0.1, -r + 0.8], color="black", lw=1.5)
+            grid.plot([c + 0.1, c + 0.8], [-r + 0.8, -r + 0.1], color="black", lw=1.5)
+    grid.set_xlim(-0.2, columns + 0.1)
+    grid.set_ylim(-rows + 0.8, 1.1)
+    grid.set_aspect("equal")
+    grid.axis("off")
+    grid.set_title(f"{n} tokens, coloured by first-choice expert (✕ = dropped)", fontsize=10)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=expert_color(e)) for e in range(n_experts)]
+    grid.legend(handles, [f"expert {e}" for e in range(n_experts)], loc="upper center",
+                bbox_to_anchor=(0.5, 0.0), ncol=min(n_experts, 8), fontsize=8, frameon=False)
+    load_bars(routing.load(), routing.wanted() - routing.load(), routing.capacity, ax=bars,
+              title=f"load per expert (top-{experts.shape[1]})")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def load_bars(kept, dropped=None, capacity=None, ax=None, title=None, ylabel="assignments"):
+    """Stacked bars per expert: the assignments it processes, and those dropped past capacity."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 3))
+    kept = np.asarray(kept, dtype=float)
+    x = np.arange(len(kept))
+    ax.bar(x, kept, color=[expert_color(e) for e in x], label="processed")
+    if dropped is not None and np.asarray(dropped).sum() > 0:
+        ax.bar(x, np.asarray(dropped, dtype=float), bottom=kept, color="white",
+               edgecolor="grey", hatch="///", label="dropped")
+    if capacity is not None:
+        ax.axhline(capacity, color="black", linestyle="--", linewidth=1,
+                   label=f"capacity {capacity}")
+    ax.set_xticks(x, [f"E{e}" for e in x])
+    ax.set_ylabel(ylabel)
+    top = (kept + (0 if dropped is None else np.asarray(dropped, dtype=float))).max()
+    ax.set_ylim(0, 1.35 * max(top, capacity or 0, 1))
+    if capacity is not None or (dropped is not None and np.asarray(dropped).sum() > 0):
+        ax.legend(fontsize=8, loc="upper right", ncol=3)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
+def load_over_steps(fractions, ax=None, title=None):
+    """fractions: (steps, E) share of the assignments each expert got at each training step."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 3))
+    fractions = np.asarray(fractions, dtype=float)
+    n_experts = fractions.shape[1]
+    for e in range(n_experts):
+        ax.plot(fractions[:, e], color=expert_color(e), label=f"E{e}")
+    ax.axhline(1 / n_experts, color="black", linestyle="--", linewidth=1, label="fair share")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("share of assignments")
+    ax.set_ylim(-0.02, 1.3)        # headroom: a collapsed router's line sits at 1.0
+    ax.legend(fontsize=8, ncol=n_experts + 1, loc="upper center", handlelength=1.2,
+              columnspacing=0.8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
+def dispatch_matrix(matrix, ax=None, title="rows sent by the dispatch all-to-all"):
+    """matrix[i][j]: rows rank i sends to rank j (the diagonal stays home)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(3.6, 3.2))
+    m = np.asarray(matrix, dtype=float)
+    ax.imshow(m, cmap="Blues", vmin=0, vmax=max(1.0, m.max()))
+    for i in range(m.shape[0]):
+        for j in range(m.shape[1]):
+            ax.text(j, i, f"{int(m[i, j])}", ha="center", va="center",
+                    color="white" if m[i, j] > 0.6 * m.max() else "black", fontsize=9)
+    ax.set_xticks(range(m.shape[1]), [f"to {j}" for j in range(m.shape[1])])
+    ax.set_yticks(range(m.shape[0]), [f"from {i}" for i in range(m.shape[0])])
+    ax.set_title(title, fontsize=10)
+    return ax
+
+
+def rank_bars(values, ax=None, title=None, ylabel="ms", line=None, line_label=None):
+    """One bar per rank (e.g. time in its local experts), with an optional horizontal line."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(4, 3))
+    x = np.arange(len(values))
+    ax.bar(x, values, color="#4C72B0")
+    if line is not None:
+        ax.axhline(line, color="#C44E52", linestyle="--", linewidth=1)
+        if line_label:
+            ax.text(len(values) - 0.5, line, line_label, ha="right", va="bottom", fontsize=8)
+    ax.set_xticks(x, [f"rank {r}" for r in x])
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
