@@ -55,3 +55,35 @@ def training_days(n_params, tokens, n_gpus, peak_flops=989e12, mfu=0.4):
 def gpus_to_hold(n_bytes, gpu_bytes=80 * GB):
     """The fewest GPUs whose memory adds up to n_bytes (if it could be split perfectly)."""
     return math.ceil(n_bytes / gpu_bytes)
+
+
+def activation_bytes(seq_len, batch, hidden, layers, heads, checkpointing=False):
+    """Activations a transformer keeps for backward, in 16-bit precision, without tensor parallel.
+
+    Per layer s·b·h·(34 + 5·a·s/h) bytes (Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models", eq. 1); with full activation checkpointing only
+    each layer's input is kept, 2·s·b·h bytes, and the rest is recomputed during backward.
+    """
+    sbh = seq_len * batch * hidden
+    per_layer = 2 * sbh if checkpointing else sbh * (34 + 5 * heads * seq_len / hidden)
+    return layers * per_layer
+
+
+# (parameters, layers, hidden size, attention heads) of well-known models, for the calculator.
+PRESETS = {
+    "GPT-2 XL 1.5B": (1.5e9, 48, 1600, 25),
+    "Llama-2 7B": (6.7e9, 32, 4096, 32),
+    "Llama-2 13B": (13e9, 40, 5120, 40),
+    "Llama-2 70B": (69e9, 80, 8192, 64),
+    "GPT-3 175B": (175e9, 96, 12288, 96),
+}
+
+
+def per_gpu_bytes(model, precision="bf16-mixed", optimizer="adam", zero_stage=0, world_size=1,
+                  seq_len=2048, micro_batch=1, checkpointing=False):
+    """Everything one data-parallel GPU holds for a preset model: model states + activations."""
+    n, layers, hidden, heads = PRESETS[model]
+    out = model_state_bytes(n, precision, optimizer, zero_stage, world_size)
+    out["activations"] = activation_bytes(seq_len, micro_batch, hidden, layers, heads,
+                                          checkpointing)
+    return out

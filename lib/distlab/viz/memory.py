@@ -31,3 +31,34 @@ def memory_bars(columns, capacity=None, capacity_label="one 80 GB GPU", unit=1e9
     if title:
         ax.set_title(title)
     return ax
+
+
+def memory_calculator():
+    """A widget: pick a model, precision, optimizer, ZeRO stage, GPUs, sequence and batch; see
+    what one GPU holds and whether it fits in 80 GB."""
+    import ipywidgets as w
+    from IPython.display import display
+
+    from .. import memory
+
+    controls = dict(
+        model=w.Dropdown(options=list(memory.PRESETS), value="Llama-2 7B"),
+        precision=w.Dropdown(options=memory.PRECISIONS, value="bf16-mixed"),
+        optimizer=w.Dropdown(options=memory.OPTIMIZERS, value="adam"),
+        zero_stage=w.IntSlider(value=0, min=0, max=3, description="ZeRO stage"),
+        world_size=w.Dropdown(options=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], value=8,
+                              description="GPUs"),
+        seq_len=w.Dropdown(options=[512, 1024, 2048, 4096, 8192], value=2048),
+        micro_batch=w.IntSlider(value=1, min=1, max=16, description="micro-batch"),
+        checkpointing=w.Checkbox(value=False, description="activation checkpointing"),
+    )
+
+    def draw(**kw):
+        parts = memory.per_gpu_bytes(**kw)
+        total = sum(parts.values())
+        verdict = "fits" if total <= 80 * memory.GB else "does NOT fit"
+        memory_bars({"one GPU": parts}, capacity=80 * memory.GB,
+                    title=f"{total / memory.GB:,.1f} GB per GPU: {verdict} in 80 GB")
+        plt.show()
+
+    display(w.interactive(draw, **controls))
