@@ -1,0 +1,291 @@
+"""Tensor parallelism: split each weight matrix across the ranks of a TP group.
+
+    ColumnParallelLinear   W split by OUTPUT features: rank r computes its slice of y
+    RowParallelLinear      W split by INPUT features: rank r computes a partial sum of y
+    ParallelMLP            column → GELU → row: one all-reduce forward, one backward (Megatron)
+    ParallelAttention      q, k, v column-parallel by heads; the output projection row-parallel
+    ParallelBlock          distlab.models.Block, tensor parallel, optionally sequence parallel
+
+The communication lives in `distlab.tp_comm` as autograd Functions; the layers only choose which
+one to use where. Every layer takes its process group explicitly, and `from_dense` builds it from
+the dense layer of the same shape, so it can be compared with that layer number for number.
+
+Sequence parallel (sequence_parallel=True): between the TP regions (LayerNorm, residual adds),
+activations are split along the sequence (dim 1) instead of replicated. Each all-reduce becomes
+a reduce-scatter (leaving a region) and an all-gather (entering the next one): the same bytes,
+but LayerNorm and the residual stream hold 1/tp of the sequence on each rank.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.distributed as dist
+
+from .tp_comm import (all_gather_fwd_reduce_scatter_bwd, all_gather_fwd_split_bwd,
+                      all_reduce_fwd_identity_bwd, identity_fwd_all_reduce_bwd,
+                      reduce_scatter_fwd_all_gather_bwd, split_fwd_all_gather_bwd)
+
+
+def per_rank(n, group, what):
+    """n // tp, or a clear error when the ranks of `group` cannot share n evenly."""
+    tp = dist.get_world_size(group)
+    if n % tp:
+        raise ValueError(f"{what} = {n} does not split evenly across {tp} tensor-parallel ranks; "
+                         f"choose a multiple of {tp}.")
+    return n // tp
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ + b, W (out × in) split by rows = output features; rank r holds out/tp of them.
+
+    Every rank needs the whole x, so x enters through identity-forward / all-reduce-backward
+    (or, sequence parallel, through all-gather / reduce-scatter along the sequence).
+    `chunks`: the output is `chunks` stacked matrices (q, k, v) split one by one, so each rank
+    gets its slice of every one of them, not a contiguous third of the stack.
+    """
+
+    def __init__(self, in_features, out_features, group=None, bias=True, gather_output=False,
+                 sequence_parallel=False, chunks=1, dtype=None):
+        super().__init__()
+        if out_features % chunks:
+            raise ValueError(f"out_features={out_features} is not {chunks} stacked matrices.")
+        if gather_output and chunks > 1:
+            raise ValueError("gather_output would interleave the stacked matrices; gather each "
+                             "one separately instead.")
+        self.group, self.chunks = group, chunks
+        self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        local = chunks * per_rank(out_features // chunks, group, "out_features" +
+                                  (f" / {chunks}" if chunks > 1 else ""))
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(local, dtype=dtype)) if bias else None
+        _reset(self, in_features)
+
+    def shard_of(self, full):
+        """This rank's shard of a full (out × in) weight or (out,) bias — or of its gradient."""
+        parts = full.chunk(self.chunks, dim=0)
+        return torch.cat([p.chunk(self.tp, dim=0)[self.rank] for p in parts], dim=0)
+
+    @classmethod
+    def from_dense(cls, linear, group=None, **kw):
+        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
+                    dtype=linear.weight.dtype, **kw)
+        _copy_shards(layer, linear)
+        return layer
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            x = all_gather_fwd_reduce_scatter_bwd(x, self.group, dim=1)
+        else:
+            x = identity_fwd_all_reduce_bwd(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return all_gather_fwd_split_bwd(y, self.group, dim=-1) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x Wᵀ + b, W split by columns = input features; rank r holds in/tp of them.
+
+    Rank r multiplies its slice of x's features by its slice of W: a partial sum of the full y.
+    The partials are all-reduced (or, sequence parallel, reduce-scattered along the sequence).
+    The bias is replicated and added once, after the sum.
+    """
+
+    def __init__(self, in_features, out_features, group=None, bias=True, input_is_parallel=True,
+                 sequence_parallel=False, dtype=None):
+        super().__init__()
+        self.group = group
+        self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        local = per_rank(in_features, group, "in_features")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        _reset(self, in_features)
+
+    def shard_of(self, full):
+        return full.chunk(self.tp, dim=1)[self.rank] if full.dim() == 2 else full
+
+    @classmethod
+    def from_dense(cls, linear, group=None, **kw):
+        layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
+                    dtype=linear.weight.dtype, **kw)
+        _copy_shards(layer, linear)
+        return layer
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = split_fwd_all_gather_bwd(x, self.group, dim=-1)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_fwd_all_gather_bwd(partial, self.group, dim=1)
+        else:
+            y = all_reduce_fwd_identity_bwd(partial, self.group)
+        if self.bias is None:
+            return y
+        # Sequence parallel: each rank's bias gradient covers only its part of the sequence.
+        return y + (replicated(self.bias, self.group) if self.sequence_parallel else self.bias)
+
+
+def replicated(param, group):
+    """A parameter every rank holds whole but uses on different data: sum its gradient."""
+    return identity_fwd_all_reduce_bwd(param, group)
+
+
+def _reset(layer, fan_in):
+    # nn.Linear's init, with the FULL fan-in: a shard has the statistics of the dense layer.
+    bound = 1 / math.sqrt(fan_in)
+    with torch.no_grad():
+        for p in (layer.weight, layer.bias):
+            if p is not None:
+                p.uniform_(-bound, bound)
+
+
+def _copy_shards(layer, dense):
+    with torch.no_grad():
+        layer.weight.copy_(layer.shard_of(dense.weight))
+        if layer.bias is not None:
+            layer.bias.copy_(layer.shard_of(dense.bias))
+
+
+class ParallelMLP(nn.Module):
+    """fc1 column-parallel → GELU on the local slice → fc2 row-parallel.
+
+    GELU works element by element, so it runs on rank r's slice of the hidden layer with no
+    communication: one all-reduce in forward (fc2's) and one in backward (fc1's input).
+    """
+
+    def __init__(self, d_model, hidden, group=None, sequence_parallel=False, dtype=None):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(d_model, hidden, group, sequence_parallel=sequence_parallel,
+                                        dtype=dtype)
+        self.fc2 = RowParallelLinear(hidden, d_model, group, sequence_parallel=sequence_parallel,
+                                     dtype=dtype)
+
+    @classmethod
+    def from_dense(cls, mlp, group=None, sequence_parallel=False):
+        tp = cls(mlp.fc1.in_features, mlp.fc1.out_features, group, sequence_parallel,
+                 dtype=mlp.fc1.weight.dtype)
+        _copy_shards(tp.fc1, mlp.fc1)
+        _copy_shards(tp.fc2, mlp.fc2)
+        return tp
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with the heads split across ranks: rank r runs n_heads/tp heads.
+
+    Heads are independent, so each rank computes its heads' q, k, v (column-parallel), attends,
+    and multiplies by its slice of the output projection's inputs (row-parallel).
+    """
+
+    def __init__(self, d_model, n_heads, group=None, sequence_parallel=False, dtype=None):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}.")
+        self.local_heads = per_rank(n_heads, group, "n_heads")
+        self.head_dim = d_model // n_heads
+        self.qkv = ColumnParallelLinear(d_model, 3 * d_model, group, chunks=3,
+                                        sequence_parallel=sequence_parallel, dtype=dtype)
+        self.proj = RowParallelLinear(d_model, d_model, group, sequence_parallel=sequence_parallel,
+                                      dtype=dtype)
+
+    @classmethod
+    def from_dense(cls, attn, group=None, sequence_parallel=False):
+        d = attn.proj.in_features
+        tp = cls(d, attn.n_heads, group, sequence_parallel, dtype=attn.proj.weight.dtype)
+        _copy_shards(tp.qkv, attn.qkv)
+        _copy_shards(tp.proj, attn.proj)
+        return tp
+
+    def forward(self, x):
+        qkv = self.qkv(x)                      # (b, t, 3·d/tp): the whole sequence, our heads
+        b, t, _ = qkv.shape
+        q, k, v = (z.view(b, t, self.local_heads, self.head_dim).transpose(1, 2)
+                   for z in qkv.chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim))
+
+
+class ParallelBlock(nn.Module):
+    """distlab.models.Block, tensor parallel; with the same parameter names (ln1, attn.qkv, ...).
+
+    sequence_parallel=False: x is (b, t, d) and the same on every rank, and so is the output.
+    sequence_parallel=True:  x is rank r's slice (b, t/tp, d) of the sequence, and so is the
+    output; LayerNorms and residual adds work on the slice.
+    """
+
+    def __init__(self, d_model, n_heads, hidden, group=None, sequence_parallel=False, dtype=None):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.ln1 = nn.LayerNorm(d_model, dtype=dtype)
+        self.attn = ParallelAttention(d_model, n_heads, group, sequence_parallel, dtype)
+        self.ln2 = nn.LayerNorm(d_model, dtype=dtype)
+        self.mlp = ParallelMLP(d_model, hidden, group, sequence_parallel, dtype)
+
+    @classmethod
+    def from_dense(cls, block, group=None, sequence_parallel=False):
+        d, hidden = block.ln1.normalized_shape[0], block.mlp.fc1.out_features
+        tp = cls(d, block.attn.n_heads, hidden, group, sequence_parallel,
+                 dtype=block.ln1.weight.dtype)
+        tp.ln1.load_state_dict(block.ln1.state_dict())
+        tp.ln2.load_state_dict(block.ln2.state_dict())
+        tp.attn = ParallelAttention.from_dense(block.attn, group, sequence_parallel)
+        tp.mlp = ParallelMLP.from_dense(block.mlp, group, sequence_parallel)
+        return tp
+
+    def _norm(self, ln, x):
+        if not self.sequence_parallel:
+            return ln(x)  # every rank normalises the same x: its gradients are already whole
+        return F.layer_norm(x, ln.normalized_shape, replicated(ln.weight, self.group),
+                            replicated(ln.bias, self.group), ln.eps)
+
+    def forward(self, x):
+        x = x + self.attn(self._norm(self.ln1, x))
+        return x + self.mlp(self._norm(self.ln2, x))
+
+
+# ---- comparing with the dense model, and measuring ---------------------------------------------
+
+def dense_shards(tp_module, dense_module, grads=False):
+    """{name: this rank's shard of the dense module's parameter (or its .grad)} for every
+    parameter of `tp_module`; the names are the same in both modules."""
+    out = {}
+    for name, _ in tp_module.named_parameters():
+        owner, _, attr = name.rpartition(".")
+        full = getattr(dense_module.get_submodule(owner), attr)
+        full = full.grad if grads else full.detach()
+        sub = tp_module.get_submodule(owner)
+        out[name] = sub.shard_of(full) if hasattr(sub, "shard_of") else full
+    return out
+
+
+def sequence_slice(x, group, dim=1):
+    """Rank r's slice of a full tensor along the sequence (a plain slice: no communication)."""
+    n = per_rank(x.shape[dim], group, "seq_len")
+    return x.narrow(dim, dist.get_rank(group) * n, n)
+
+
+def saved_activation_bytes(fn, *args):
+    """(result, bytes) of `fn(*args)`, bytes = the tensors autograd saved for backward, each
+    storage counted once and parameters left out (they are weights, not activations)."""
+    params, seen = set(), set()
+    for a in args:
+        if isinstance(a, nn.Module):
+            params |= {p.untyped_storage().data_ptr() for p in a.parameters()}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn(*args)
+    return result, total

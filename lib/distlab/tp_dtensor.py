@@ -1,0 +1,83 @@
+"""The same tensor-parallel block with torch's DTensor API: `parallelize_module` over a DeviceMesh.
+
+ColwiseParallel shards a Linear's weight into contiguous row blocks. distlab.models.Block fuses
+q, k and v into one `qkv` Linear [q; k; v], so a contiguous split would give rank 0 all of q and
+none of v: the wrong heads. torchtitan writes q, k and v as three Linears for this reason, and
+so does `SeparateQKVAttention` below, loaded with the fused block's weights (same numbers).
+Its forward infers the number of heads from the tensor (view(b, t, -1, head_dim)), so on a rank
+it runs n_heads/tp heads without being told.
+"""
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+
+class SeparateQKVAttention(nn.Module):
+    """distlab.models.Attention with q, k, v as three Linears (same weights, same results)."""
+
+    def __init__(self, attn):
+        super().__init__()
+        d = attn.proj.in_features
+        self.head_dim = d // attn.n_heads
+        self.q, self.k, self.v = (nn.Linear(d, d, dtype=attn.proj.weight.dtype) for _ in range(3))
+        with torch.no_grad():
+            for lin, w, b in zip((self.q, self.k, self.v), attn.qkv.weight.chunk(3),
+                                 attn.qkv.bias.chunk(3)):
+                lin.weight.copy_(w)
+                lin.bias.copy_(b)
+        self.proj = copy.deepcopy(attn.proj)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def tp_plan(sequence_parallel=False):
+    """The parallelize_module plan for a Block whose attention is SeparateQKVAttention."""
+    if not sequence_parallel:
+        return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+                "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    # LayerNorms see a slice of the sequence; each TP region gathers it at the door and
+    # reduce-scatters its output back into slices.
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {"ln1": SequenceParallel(), "attn": gather,
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ln2": SequenceParallel(), "mlp": copy.deepcopy(gather),
+            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(output_layouts=Shard(1))}
+
+
+def parallelize_block(block, mesh, sequence_parallel=False):
+    """A tensor-parallel copy of distlab.models.Block `block`, made by torch's DTensor API."""
+    twin = copy.deepcopy(block)
+    twin.attn = SeparateQKVAttention(block.attn)
+    return parallelize_module(twin, mesh, tp_plan(sequence_parallel))
+
+
+def local_grads(module):
+    """{name: this rank's gradient shard} with the names and layout of distlab's ParallelBlock.
+
+    Gradients DTensor left Partial (summed lazily, e.g. LayerNorm's under sequence parallel)
+    are reduced first; q, k, v are stacked as ParallelBlock's `qkv` stacks them.
+    """
+    out = {}
+    for name, p in module.named_parameters():
+        g = p.grad
+        if isinstance(g, DTensor):
+            placements = [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements]
+            g = g.redistribute(g.device_mesh, placements).to_local()
+        out[name] = g
+    for kind in ("weight", "bias"):
+        parts = [out.pop(f"attn.{z}.{kind}") for z in "qkv"]
+        out[f"attn.qkv.{kind}"] = torch.cat(parts, dim=0)
+    return out

@@ -1,0 +1,88 @@
+"""y = x·W split two ways across tensor-parallel ranks, drawn as coloured blocks.
+
+Colour = the rank that holds the piece; grey = every rank holds the same thing (replicated).
+Column-parallel: W split by output features (columns of W), each rank makes a slice of y.
+Row-parallel: W split by input features (rows of W) and x likewise; each rank makes a partial
+y of full size, and the true y is their sum.
+"""
+import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
+
+REPLICATED = "#bdbdbd"
+
+
+def rank_colour(rank):
+    return plt.get_cmap("tab10")(rank % 10)
+
+
+def _matrix(ax, x0, y0, w, h, owners, split, label, alpha=0.85):
+    """A w × h block cut into len(owners) strips ('cols' or 'rows'); owners[i] colours strip i."""
+    n = len(owners)
+    for i, owner in enumerate(owners):
+        colour = REPLICATED if owner is None else rank_colour(owner)
+        if split == "cols":
+            r = Rectangle((x0 + i * w / n, y0), w / n, h)
+        else:  # strip 0 on top, as rows of a matrix are read
+            r = Rectangle((x0, y0 + h - (i + 1) * h / n), w, h / n)
+        r.set(facecolor=colour, edgecolor="black", linewidth=1, alpha=alpha)
+        ax.add_patch(r)
+        if owner is not None and n > 1:
+            cx = x0 + (i + 0.5) * w / n if split == "cols" else x0 + w / 2
+            cy = y0 + h / 2 if split == "cols" else y0 + h - (i + 0.5) * h / n
+            ax.text(cx, cy, f"r{owner}", ha="center", va="center", fontsize=8, color="white",
+                    fontweight="bold")
+    ax.text(x0 + w / 2, y0 - 0.25, label, ha="center", va="top", fontsize=9)
+
+
+def _symbol(ax, x, y, text):
+    ax.text(x, y, text, ha="center", va="center", fontsize=22, fontweight="bold")
+
+
+def linear_split(kind, tp=2, ax=None):
+    """Draw y = x·W split 'column' or 'row' wise over `tp` ranks, with the collective it needs."""
+    if kind not in ("column", "row"):
+        raise ValueError(f"kind must be 'column' or 'row'; got {kind!r}.")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 2.8))
+    ranks = list(range(tp))
+    xw, xh = 2.0, 1.4          # x: batch (rows) × in features (columns)
+    ww, wh = 2.4, 2.0          # W: in features (rows) × out features (columns)
+    y0 = 0.3
+    if kind == "column":
+        _matrix(ax, 0, y0 + 0.3, xw, xh, [None], "cols", "x (the same on every rank)")
+        _symbol(ax, 2.45, y0 + 1.0, "·")
+        _matrix(ax, 2.9, y0, ww, wh, ranks, "cols", "W split by output features")
+        _symbol(ax, 5.75, y0 + 1.0, "=")
+        _matrix(ax, 6.2, y0 + 0.3, ww, xh, ranks, "cols", "rank r holds y[:, slice r]")
+        ax.annotate("all-gather\n→ the whole y", xy=(8.8, y0 + 1.0), xytext=(9.3, y0 + 1.0),
+                    fontsize=9, va="center", arrowprops=dict(arrowstyle="<-"))
+        ax.set_title(f"column-parallel over {tp} ranks: no communication until y is needed whole",
+                     fontsize=10)
+    else:
+        _matrix(ax, 0, y0 + 0.3, xw, xh, ranks, "cols", "x split by input features")
+        _symbol(ax, 2.45, y0 + 1.0, "·")
+        _matrix(ax, 2.9, y0, ww, wh, ranks, "rows", "W split by input features")
+        _symbol(ax, 5.75, y0 + 1.0, "=")
+        step = 0.18
+        for r in reversed(ranks):  # the partial sums, stacked like cards
+            _matrix(ax, 6.2 + r * step, y0 + 0.3 + r * step, ww, xh, [r], "cols",
+                    "Σ of full-size partial y's" if r == 0 else "", alpha=0.75)
+        ax.annotate("all-reduce\n→ y", xy=(8.8 + tp * step, y0 + 1.0),
+                    xytext=(9.3 + tp * step, y0 + 1.0), fontsize=9, va="center",
+                    arrowprops=dict(arrowstyle="<-"))
+        ax.set_title(f"row-parallel over {tp} ranks: each rank's product is a partial sum of y",
+                     fontsize=10)
+    ax.set_xlim(-0.2, 11.2)
+    ax.set_ylim(-0.5, 2.7)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    return ax
+
+
+def column_and_row(tp=2):
+    """Both splits, one above the other."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.6))
+    linear_split("column", tp, top)
+    linear_split("row", tp, bottom)
+    fig.tight_layout()
+    return fig

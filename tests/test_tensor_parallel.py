@@ -1,0 +1,271 @@
+"""Tensor parallelism equals the dense model: outputs, every gradient (weights, biases, input) and
+parameters after several optimizer steps, at TP 2, 3 and 4, with and without sequence parallel;
+the communication is what the formula says; DTensor's parallelize_module gives our numbers."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import distlab
+from distlab import tensor_parallel as tpm
+from distlab import tp_comm
+from distlab.models import Block
+
+TIMEOUT = 120
+F64 = torch.float64
+
+
+def close(what, got, expected, atol=1e-12, rtol=1e-10):
+    """Raise on the rank (the launcher names it) with the first element that differs."""
+    if got is None or tuple(got.shape) != tuple(expected.shape):
+        raise AssertionError(f"{what}: expected shape {tuple(expected.shape)}, got "
+                             f"{None if got is None else tuple(got.shape)}")
+    bad = ~torch.isclose(got, expected, atol=atol, rtol=rtol)
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{what}, element {list(i)}: expected {expected[i].item():.17g}, "
+                             f"got {got[i].item():.17g}")
+
+
+def rank_data(rank, *shape):
+    return torch.randn(*shape, dtype=F64, generator=torch.Generator().manual_seed(100 + rank))
+
+
+# ---- the communication Functions ---------------------------------------------------------------
+
+def _functions_case(rank, ws):
+    """Each Function against a single-process reference built from every rank's data."""
+    rows = 2 * ws
+    xs = [rank_data(r, rows, 3) for r in range(ws)]      # what each rank passes in
+    gs = [rank_data(50 + r, rows * ws, 3) for r in range(ws)]  # gradient each rank gets
+    whole = torch.cat(xs)                                  # all ranks' inputs, stacked
+    cases = {
+        "identity_fwd_all_reduce_bwd": (lambda x: tp_comm.identity_fwd_all_reduce_bwd(x, None),
+                                        xs[rank], lambda g: sum(g)),
+        "all_reduce_fwd_identity_bwd": (lambda x: tp_comm.all_reduce_fwd_identity_bwd(x, None),
+                                        sum(xs), lambda g: g[rank]),
+        "all_gather_fwd_split_bwd": (lambda x: tp_comm.all_gather_fwd_split_bwd(x, None, 0),
+                                     whole, lambda g: g[rank].chunk(ws)[rank]),
+        "split_fwd_all_gather_bwd": (lambda x: tp_comm.split_fwd_all_gather_bwd(x, None, 0),
+                                     whole.chunk(ws)[rank], lambda g: torch.cat(g)),
+        "all_gather_fwd_reduce_scatter_bwd": (
+            lambda x: tp_comm.all_gather_fwd_reduce_scatter_bwd(x, None, 0),
+            whole, lambda g: sum(g).chunk(ws)[rank]),
+        "reduce_scatter_fwd_all_gather_bwd": (
+            lambda x: tp_comm.reduce_scatter_fwd_all_gather_bwd(x, None, 0),
+            sum(xs).chunk(ws)[rank], lambda g: torch.cat(g)),
+    }
+    for name, (op, expected_out, expected_grad) in cases.items():
+        # Input: the whole stack for the split, this rank's own tensor for the others.
+        x = (whole if name.startswith("split") else xs[rank]).clone().requires_grad_()
+        out = op(x)
+        close(f"{name} forward", out, expected_out)
+        grads = [g[:out.shape[0]] for g in gs]  # every rank's gradient w.r.t. the output
+        out.backward(grads[rank])
+        close(f"{name} backward", x.grad, expected_grad(grads))
+    return True
+
+
+@pytest.mark.parametrize("ws", [2, 3, 4])
+def test_communication_functions_forward_and_backward(ws):
+    assert distlab.run(_functions_case, ws, timeout=TIMEOUT) == [True] * ws
+
+
+# ---- the linear layers --------------------------------------------------------------------------
+
+def _linear_case(rank, ws):
+    torch.manual_seed(0)
+    in_f, out_f = 3 * ws, 2 * ws
+    dense = nn.Linear(in_f, out_f, dtype=F64)
+    x = torch.randn(5, in_f, dtype=F64, requires_grad=True)
+    r = torch.randn(5, out_f, dtype=F64)
+    y = dense(x)
+    (y * r).sum().backward()
+    col = tpm.ColumnParallelLinear.from_dense(dense, gather_output=True)
+    row_full = tpm.RowParallelLinear.from_dense(dense, input_is_parallel=False)
+    row_split = tpm.RowParallelLinear.from_dense(dense)
+    for name, layer in [("column", col), ("row (full input)", row_full),
+                        ("row (split input)", row_split)]:
+        xi = x.detach().clone()
+        if layer is row_split:
+            xi = xi.chunk(ws, dim=1)[rank].clone()
+        xi.requires_grad_()
+        yi = layer(xi)
+        close(f"{name} output", yi, y)
+        (yi * r).sum().backward()
+        expected_x = x.grad.chunk(ws, dim=1)[rank] if layer is row_split else x.grad
+        close(f"{name} input grad", xi.grad, expected_x)
+        close(f"{name} weight grad", layer.weight.grad, layer.shard_of(dense.weight.grad))
+        close(f"{name} bias grad", layer.bias.grad, layer.shard_of(dense.bias.grad))
+    # Column without gather: each rank holds exactly its slice of y.
+    col2 = tpm.ColumnParallelLinear.from_dense(dense)
+    close("column slice", col2(x.detach()), y.detach().chunk(ws, dim=1)[rank])
+    return True
+
+
+@pytest.mark.parametrize("ws", [2, 3, 4])
+def test_column_and_row_linear_equal_dense(ws):
+    assert distlab.run(_linear_case, ws, timeout=TIMEOUT) == [True] * ws
+
+
+# ---- the block, trained for several steps -------------------------------------------------------
+
+def _train_block_case(rank, ws, sequence_parallel, steps=3, group=None, data_seed=0):
+    """SGD on the dense block and on its TP twin; compare loss, every grad, params each step."""
+    torch.manual_seed(0)  # the same dense block on every rank
+    dense = Block(4 * ws, ws, 8 * ws).to(F64)
+    tp = tpm.ParallelBlock.from_dense(dense, group, sequence_parallel)
+    seq = 2 * dist.get_world_size(group)
+    cut = (lambda t: tpm.sequence_slice(t, group)) if sequence_parallel else (lambda t: t)
+    opt_d = torch.optim.SGD(dense.parameters(), lr=0.1)
+    opt_t = torch.optim.SGD(tp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(data_seed)
+    for step in range(steps):
+        x = torch.randn(2, seq, dense.ln1.normalized_shape[0], dtype=F64, generator=g)
+        target = torch.randn(x.shape, dtype=F64, generator=g)
+        xd = x.clone().requires_grad_()
+        y = dense(xd)
+        loss = ((y - target) ** 2).sum() / y.numel()
+        opt_d.zero_grad()
+        loss.backward()
+        xt = cut(x).clone().requires_grad_()
+        yt = tp(xt)
+        loss_t = ((yt - cut(target)) ** 2).sum() / y.numel()
+        opt_t.zero_grad()
+        loss_t.backward()
+        total = loss_t.detach().clone()
+        if sequence_parallel:
+            dist.all_reduce(total, group=group)  # each rank's loss covers its slice only
+        where = f"step {step}"
+        close(f"{where} loss", total, loss.detach())
+        close(f"{where} output", yt.detach(), cut(y.detach()))
+        close(f"{where} input grad", xt.grad, cut(xd.grad))
+        expected = tpm.dense_shards(tp, dense, grads=True)
+        for name, p in tp.named_parameters():
+            close(f"{where} grad of {name}", p.grad, expected[name])
+        opt_d.step()
+        opt_t.step()
+        expected = tpm.dense_shards(tp, dense)
+        for name, p in tp.named_parameters():
+            close(f"{where} {name} after the step", p.detach(), expected[name])
+    return True
+
+
+def _both_modes_case(rank, ws):
+    return [_train_block_case(rank, ws, sp) for sp in (False, True)]
+
+
+@pytest.mark.parametrize("ws", [2, 3, 4])
+def test_block_trains_like_dense_with_and_without_sequence_parallel(ws):
+    assert distlab.run(_both_modes_case, ws, timeout=TIMEOUT) == [[True, True]] * ws
+
+
+def _mesh_case(rank, ws):
+    """TP inside a 2 x 2 mesh: each TP group (its own data) matches the dense block."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    return _train_block_case(rank, ws, True, steps=2, group=mesh["tp"].get_group(),
+                             data_seed=dp_rank)
+
+
+def test_block_on_the_tp_groups_of_a_mesh():
+    assert distlab.run(_mesh_case, 4, timeout=TIMEOUT) == [True] * 4
+
+
+# ---- clear errors -------------------------------------------------------------------------------
+
+def _error_case(rank, ws, uncaught=False):
+    attempts = {"column": lambda: tpm.ColumnParallelLinear(4, 10),
+                "row": lambda: tpm.RowParallelLinear(7, 4),
+                "heads": lambda: tpm.ParallelAttention(16, 4),
+                "seq": lambda: tpm.sequence_slice(torch.zeros(1, 5, 4), None)}
+    messages = {}
+    for what, attempt in attempts.items():
+        try:
+            attempt()
+        except ValueError as e:
+            messages[what] = str(e)
+    if uncaught and rank == 1:
+        tpm.ColumnParallelLinear(4, 10)  # as a learner meets it
+    return messages
+
+
+def test_dimension_that_does_not_divide_is_a_clear_error():
+    with pytest.raises(distlab.RankFailed) as e:
+        distlab.run(_error_case, 3, True, timeout=TIMEOUT)
+    assert e.value.rank == 1 and e.value.exc_type == "ValueError"
+    assert str(e.value).splitlines()[0] == (
+        "rank 1 raised ValueError: out_features = 10 does not split evenly across 3 "
+        "tensor-parallel ranks; choose a multiple of 3.")
+    messages = distlab.run(_error_case, 3, timeout=TIMEOUT)[0]
+    for key, what, size in [("column", "out_features", 10), ("row", "in_features", 7),
+                            ("heads", "n_heads", 4), ("seq", "seq_len", 5)]:
+        assert messages[key] == (f"{what} = {size} does not split evenly across 3 "
+                                 f"tensor-parallel ranks; choose a multiple of 3.")
+
+
+# ---- communication volume and activation memory -------------------------------------------------
+
+def _count_case(rank, ws):
+    return [_count_one(ws, sp) for sp in (False, True)]
+
+
+def _count_one(ws, sp):
+    b, t, d = 2, 2 * ws, 4 * ws
+    torch.manual_seed(0)
+    dense = Block(d, ws, 2 * d).to(F64)
+    tp = tpm.ParallelBlock.from_dense(dense, None, sp)
+    x = torch.randn(b, t // ws if sp else t, d, dtype=F64, requires_grad=True)
+    with tp_comm.count_comm() as log:
+        tp(x).sum().backward()
+    _, saved = tpm.saved_activation_bytes(lambda m, z: m(z), tp, x)
+    return [entry for entry in log if entry[2] > 8 * d], saved  # drop the small parameter grads
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_communication_volume_and_sequence_parallel_memory(ws):
+    b, t, d = 2, 2 * ws, 4 * ws
+    s = b * t * d * 8  # one activation, float64
+    ((log, saved_tp), (log_sp, saved_sp)), *_ = distlab.run(_count_case, ws, timeout=TIMEOUT)
+    assert log == [("all_reduce", "forward", s)] * 2 + [("all_reduce", "backward", s)] * 2
+    # Same bytes on a ring: an all-reduce is a reduce-scatter followed by an all-gather.
+    assert sorted(log_sp) == sorted([("all_gather", "forward", s), ("reduce_scatter", "forward", s)]
+                                 * 2 + [("reduce_scatter", "backward", s),
+                                        ("all_gather", "backward", s)] * 2)
+    assert saved_sp < saved_tp
+
+
+# ---- DTensor ------------------------------------------------------------------------------------
+
+def _dtensor_case(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+    from distlab import tp_dtensor
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(0)
+    dense = Block(8, 2, 16).to(F64)
+    x = torch.randn(2, 2 * ws, 8, dtype=F64)
+    for sp in (False, True):
+        cut = (lambda z: tpm.sequence_slice(z, None)) if sp else (lambda z: z)
+        ours = tpm.ParallelBlock.from_dense(dense, None, sp)
+        theirs = tp_dtensor.parallelize_block(dense, mesh, sp)
+        outputs, input_grads = [], []
+        for model in (ours, theirs):
+            xi = cut(x).clone().requires_grad_()
+            y = model(xi)
+            (y * y).sum().backward()
+            outputs.append(y.detach())
+            input_grads.append(xi.grad)
+        label = "sequence parallel" if sp else "tensor parallel"
+        close(f"{label} output", outputs[1], outputs[0])
+        close(f"{label} input grad", input_grads[1], input_grads[0])
+        mine = dict((n, p.grad) for n, p in ours.named_parameters())
+        dtensors = tp_dtensor.local_grads(theirs)
+        assert set(mine) == set(dtensors), set(mine) ^ set(dtensors)
+        for name in mine:
+            close(f"{label} grad of {name}", dtensors[name], mine[name])
+    return True
+
+
+def test_dtensor_parallelize_module_matches_ours():
+    assert distlab.run(_dtensor_case, 2, timeout=TIMEOUT) == [True] * 2
