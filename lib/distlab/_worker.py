@@ -46,7 +46,7 @@ def main(spec, payload, conn, out_w, err_w):
     os.environ.update(
         MASTER_ADDR=spec["master_addr"], MASTER_PORT=str(spec["master_port"]),
         RANK=str(_rank), WORLD_SIZE=str(spec["world_size"]),
-        LOCAL_RANK=str(_rank), LOCAL_WORLD_SIZE=str(spec["world_size"]),
+        LOCAL_RANK=str(_rank), LOCAL_WORLD_SIZE=str(spec["world_size"]), GROUP_WORLD_SIZE="1",
         GROUP_RANK="0", ROLE_RANK=str(_rank), ROLE_WORLD_SIZE=str(spec["world_size"]),
     )
     os.environ.update(spec.get("env", {}))
