@@ -29,6 +29,16 @@ def chunk_bounds(numel, world_size, rank):
     return min(rank * c, numel), min((rank + 1) * c, numel)
 
 
+def gather_flat(shard, numel, group=None):
+    """The whole flattened parameter (numel elements) from every rank's slice of it."""
+    world = dist.get_world_size(group)
+    c = math.ceil(numel / world)
+    mine = torch.nn.functional.pad(shard, (0, c - shard.numel()))  # gloo needs equal sizes
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)
+    return torch.cat(parts)[:numel]
+
+
 class ZeRO:
     """Wraps a model replicated on every rank of `group`; call backward as usual, then step()."""
 
@@ -71,12 +81,9 @@ class ZeRO:
 
     def _all_gather_param(self, p, shard):
         """Fill p (its full storage) from every rank's shard."""
-        c = math.ceil(p.numel() / self.world)
-        mine = torch.nn.functional.pad(shard.data, (0, c - shard.numel()))
-        parts = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(parts, mine, group=self.group)
-        self.sent["all_gather"] += mine.numel() * mine.element_size() * (self.world - 1)
-        p.data.view(-1).copy_(torch.cat(parts)[:p.numel()])
+        p.data.view(-1).copy_(gather_flat(shard.data, p.numel(), self.group))
+        self.sent["all_gather"] += math.ceil(p.numel() / self.world) * p.element_size() * \
+            (self.world - 1)
 
     def _reduce_scatter_grad(self, grad, shard):
         """Average `grad` over the ranks, keeping only this rank's slice (in shard.grad)."""
@@ -141,11 +148,7 @@ class ZeRO:
         for p, s in zip(self.params, self.shards):
             full = torch.empty(p.shape, dtype=p.dtype)
             if self.stage == 3:
-                c = math.ceil(p.numel() / self.world)
-                mine = torch.nn.functional.pad(s.data, (0, c - s.numel()))
-                parts = [torch.empty_like(mine) for _ in range(self.world)]
-                dist.all_gather(parts, mine, group=self.group)
-                full.view(-1).copy_(torch.cat(parts)[:p.numel()])
+                full.view(-1).copy_(gather_flat(s.data, p.numel(), self.group))
             else:
                 full.copy_(p.data)
             out.append(full)
