@@ -78,16 +78,17 @@ def main(spec, payload, conn, out_w, err_w):
         message = ("error", _describe(e))
     sys.stdout.flush()
     sys.stderr.flush()
-    if message[0] == "error":
-        # Report before cleaning up: the other ranks may be stuck and cleanup could block.
-        conn.send(message)
+    # Report first: the parent must hear the result or the error even if cleanup blocks.
+    conn.send(message)
     if dist.is_available() and dist.is_initialized():
         try:
+            if message[0] == "result":
+                # Nobody closes its connections while a peer may still be opening one to it
+                # (a group created just before returning): leave together.
+                dist.barrier()
             dist.destroy_process_group()
         except Exception:
             pass
-    if message[0] == "result":
-        conn.send(message)
     conn.close()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -415,12 +415,13 @@ class _Launch:
                           f"returned, without raising a Python exception.", r.rank)
 
     def _timeout_error(self):
-        running = [r for r in self.ranks if r.exitcode is None]
+        # A rank that returned may still wait for the others at its exit barrier: it finished.
+        running = [r for r in self.ranks if r.exitcode is None and not r.returned]
         stacks = self._dump_stacks(running)
         lines = [f"distlab.run timed out after {self.timeout:g} s: "
                  f"{_ranks_phrase([r.rank for r in running])} still running."]
         for r in self.ranks:
-            if r.exitcode is not None:
+            if r not in running:
                 lines.append(f"  rank {r.rank}: finished")
             else:
                 lines.append(f"  rank {r.rank}: {describe_stacks(stacks.get(r.rank, ''))}")
