@@ -28,6 +28,7 @@ import cloudpickle
 
 from . import _worker
 from .diagnose import describe_stacks
+from .progress import ProgressBar
 
 MAX_WORLD_SIZE = 64
 DEFAULT_TIMEOUT = 30.0
@@ -455,7 +456,7 @@ class _Launch:
 
     def _show_progress(self, desc, n, total):
         if self.progress is None:
-            self.progress = _Progress.create()
+            self.progress = ProgressBar.create()
         if self.progress is not None:
             self.progress.update(desc, n, total)
 
@@ -551,40 +552,3 @@ def _pretty_filenames(text):
     for filename, count in names.items():
         text = text.replace(f'File "{filename}"', f"Cell In[{count}]")
     return text
-
-
-class _Progress:
-    """A progress bar fed by rank 0's `distlab.progress`, shown live in JupyterLab only.
-
-    It is closed when the run ends, so stored notebook outputs never contain it; under
-    pytest/nbval and `make regen` (DISTLAB_NO_PROGRESS) it is not shown at all.
-    """
-
-    @classmethod
-    def create(cls):
-        if os.environ.get("PYTEST_CURRENT_TEST") or os.environ.get("DISTLAB_NO_PROGRESS"):
-            return None
-        try:
-            from IPython import get_ipython
-            if get_ipython() is None or "IPKernelApp" not in get_ipython().config:
-                return None
-            import ipywidgets
-            from IPython.display import display
-        except Exception:
-            return None
-        self = cls()
-        self.bar = ipywidgets.IntProgress(value=0, min=0, max=1)
-        self.label = ipywidgets.Label()
-        self.box = ipywidgets.HBox([self.bar, self.label])
-        self.handle = display(self.box, display_id=True)
-        return self
-
-    def update(self, desc, n, total):
-        self.bar.max = max(total or 1, 1)
-        self.bar.value = min(n, self.bar.max)
-        self.label.value = f"{desc} {n}/{total}" if total else f"{desc} {n}"
-
-    def close(self):
-        self.box.close()
-        # Replace the output too, so a saved notebook keeps no trace of the bar.
-        self.handle.update({"text/plain": ""}, raw=True)
