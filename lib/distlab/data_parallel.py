@@ -1,0 +1,228 @@
+"""Data parallelism from scratch: every rank holds the whole model and a shard of the batch.
+
+Two implementations, the second an optimisation of the first:
+
+- naive:     `broadcast_parameters` once, so every replica starts identical; then, after each
+             backward, `average_gradients` all-reduces every gradient, one collective per tensor,
+             and divides by the world size. The replicas then take the same optimizer step.
+- bucketed:  `BucketedDDP` wraps the model. Autograd hooks see each gradient the moment it is
+             accumulated; gradients are packed into buckets of about `bucket_cap_mb`, and a full
+             bucket is all-reduced asynchronously while backward goes on computing the gradients
+             of earlier layers. That overlap, and paying the per-message latency once per bucket
+             instead of once per tensor, is what torch's DistributedDataParallel does.
+
+Both equal single-process training on the global batch, because the mean of the ranks' mean
+losses over equal shards IS the mean loss over the whole batch, and gradients are linear.
+"""
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def shard_batch(x, rank, world_size):
+    """Rank `rank`'s contiguous slice of a global batch; the batch must divide evenly."""
+    if len(x) % world_size:
+        raise ValueError(
+            f"a global batch of {len(x)} samples does not split evenly over {world_size} ranks; "
+            f"averaging gradients over unequal shards would weight some samples more than others.")
+    per_rank = len(x) // world_size
+    return x[rank * per_rank:(rank + 1) * per_rank]
+
+
+# ---- naive data parallel ---------------------------------------------------------------------------
+
+def broadcast_parameters(model, src=0, group=None):
+    """Copy rank `src`'s parameters and buffers to every rank (replicas must start identical)."""
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor, src=src, group=group)
+
+
+def average_gradients(model, group=None):
+    """After backward: replace every gradient by its mean over the ranks, one all_reduce each."""
+    world_size = dist.get_world_size(group)
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)   # sums in place
+            p.grad.div_(world_size)                 # sum of means -> mean of means
+
+
+def max_replica_difference(model, group=None):
+    """The largest |difference| between this rank's parameters and rank 0's (0.0: in sync)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    reference = flat.clone()
+    dist.broadcast(reference, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    worst = (flat - reference).abs().max().reshape(1)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    return worst.item()
+
+
+# ---- bucketed data parallel with overlap -----------------------------------------------------------
+
+class Bucket:
+    """Parameters whose gradients travel in one all_reduce, and when that happened."""
+
+    def __init__(self, index, params, names):
+        self.index, self.params, self.names = index, params, names
+        self.numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(self.numel, dtype=params[0].dtype, device=params[0].device)
+        self.pending = set()
+        self.work = None
+        self.ready_at = self.launched_at = self.done_at = None
+
+    def reset(self):
+        self.pending = {id(p) for p in self.params}
+        self.work = None
+        self.ready_at = self.launched_at = self.done_at = None
+
+    def nbytes(self):
+        return self.numel * self.buffer.element_size()
+
+
+class BucketedDDP(nn.Module):
+    """Wrap `module` so that `loss.backward()` also averages its gradients over the ranks.
+
+    bucket_cap_mb: gradients are packed, in reverse order of the parameters (the order backward
+                   produces them), into buckets of at least this many MiB (the last one smaller).
+    overlap:       True launches each bucket's all_reduce as soon as it is full, while backward
+                   still runs; False waits for the end of backward and then sends every bucket
+                   (the same messages, no overlap), to measure what overlap buys.
+    After each backward, `last_timeline()` says when backward started, when each gradient was
+    ready, and when each bucket's all_reduce was launched and finished (perf_counter seconds).
+    """
+
+    def __init__(self, module, bucket_cap_mb=25.0, overlap=True, group=None, broadcast=True):
+        super().__init__()
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB; got {bucket_cap_mb}.")
+        self.module, self.overlap, self.group = module, overlap, group
+        self.world_size = dist.get_world_size(group)
+        if broadcast:
+            broadcast_parameters(module, group=group)
+        self.buckets = self._make_buckets(bucket_cap_mb * 2 ** 20)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._name_of = {id(p): n for b in self.buckets for p, n in zip(b.params, b.names)}
+        self._sync = True
+        self._in_backward = False
+        self._next = 0
+        self._backward_started = None
+        self._grad_times = []
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _make_buckets(self, cap_bytes):
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad][::-1]
+        buckets, params, names, size = [], [], [], 0
+        for name, p in named:
+            params.append(p)
+            names.append(name)
+            size += p.numel() * p.element_size()
+            if size >= cap_bytes:
+                buckets.append(Bucket(len(buckets), params, names))
+                params, names, size = [], [], 0
+        if params:
+            buckets.append(Bucket(len(buckets), params, names))
+        return buckets
+
+    def forward(self, *args, **kwargs):
+        out = self.module(*args, **kwargs)
+        if self._sync and torch.is_grad_enabled() and isinstance(out, torch.Tensor) \
+                and out.requires_grad:
+            # The gradient reaching the output is the first event of this module's backward.
+            out.register_hook(self._backward_begins)
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (gradient accumulation); the next synced backward sends
+        the accumulated sum."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _backward_begins(self, grad):
+        self._backward_started = time.perf_counter()
+        self._start_round()
+        return grad
+
+    def _start_round(self):
+        self._in_backward = True
+        self._next = 0
+        self._grad_times = []
+        for b in self.buckets:
+            b.reset()
+        # Runs once autograd has finished the whole backward pass: wait for the last buckets.
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _grad_ready(self, param):
+        if not self._sync:
+            return
+        if not self._in_backward:       # the output hook did not fire (e.g. a tuple output)
+            self._backward_started = time.perf_counter()
+            self._start_round()
+        now = time.perf_counter()
+        bucket = self._bucket_of[id(param)]
+        bucket.pending.discard(id(param))
+        self._grad_times.append((self._name_of[id(param)], now))
+        if not bucket.pending:
+            bucket.ready_at = now
+            if self.overlap:
+                self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self):
+        # Every rank must issue the same collectives in the same order, so buckets go strictly
+        # by index: a full bucket waits for the ones before it.
+        while self._next < len(self.buckets) and not self.buckets[self._next].pending:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket):
+        offset = 0
+        for p in bucket.params:
+            n = p.numel()
+            bucket.buffer[offset:offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+        bucket.buffer.div_(self.world_size)    # pre-divide: the sum of the shares is the mean
+        bucket.launched_at = time.perf_counter()
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+        def record_done(future, bucket=bucket):
+            bucket.done_at = time.perf_counter()
+            return future.value()
+        bucket.work.get_future().then(record_done)
+
+    def _finish(self):
+        self._in_backward = False
+        missing = [n for b in self.buckets for p, n in zip(b.params, b.names) if id(p) in b.pending]
+        if missing:
+            raise RuntimeError(
+                f"BucketedDDP: parameter {missing[0]} got no gradient in this backward, so its "
+                f"bucket can never be sent; torch's DDP handles this with "
+                f"find_unused_parameters=True.")
+        self._launch_ready_buckets()
+        for b in self.buckets:
+            b.work.wait()
+            if b.done_at is None:         # the future's callback may run a moment later
+                b.done_at = time.perf_counter()
+            offset = 0
+            for p in b.params:
+                n = p.numel()
+                p.grad.copy_(b.buffer[offset:offset + n].view_as(p.grad))
+                offset += n
+
+    def last_timeline(self):
+        """What the last synced backward did, in seconds since it started."""
+        t0 = self._backward_started
+        return {
+            "grads": [(name, t - t0) for name, t in self._grad_times],
+            "buckets": [dict(index=b.index, names=list(b.names), nbytes=b.nbytes(),
+                             ready=b.ready_at - t0, launched=b.launched_at - t0,
+                             done=b.done_at - t0) for b in self.buckets],
+            "backward_end": max(t for _, t in self._grad_times) - t0,
+        }

@@ -1,0 +1,93 @@
+"""Pictures of chapter 05, drawn from measured runs: the compute/communication timeline of one
+backward pass per bucket, a bucket-size sweep, loss curves and per-rank step times."""
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+
+COMPUTE, COMM = "#4C72B0", "#DD8452"
+
+
+def _axes(ax, size=(9, 3)):
+    if ax is None:
+        _, ax = plt.subplots(figsize=size)
+    return ax
+
+
+def ddp_timeline(timeline, ax=None, title="one backward pass"):
+    """Backward compute on the top row, one all-reduce bar per bucket below (milliseconds).
+
+    `timeline` is what `BucketedDDP.last_timeline()` returns; a tick on the compute row marks the
+    moment each bucket's last gradient was ready.
+    """
+    ax = _axes(ax)
+    ms = 1e3
+    buckets = timeline["buckets"]
+    end = timeline["backward_end"]
+    ax.barh(0, end * ms, left=0, height=0.6, color=COMPUTE)
+    for b in buckets:
+        ax.plot([b["ready"] * ms] * 2, [-0.3, 0.3], color="white", lw=1.5)
+        row = 1 + b["index"]
+        ax.barh(row, (b["done"] - b["launched"]) * ms, left=b["launched"] * ms, height=0.6,
+                color=COMM, edgecolor="black", lw=0.5)
+        ax.text(b["done"] * ms, row, f" {b['nbytes'] / 2 ** 20:.1f} MiB", va="center", fontsize=8)
+    last = max([end] + [b["done"] for b in buckets])
+    ax.axvline(end * ms, color=COMPUTE, ls=":", lw=1)
+    ax.axvline(last * ms, color="black", ls="--", lw=1)
+    ax.set_yticks(range(len(buckets) + 1),
+                  ["backward"] + [f"bucket {b['index']}" for b in buckets])
+    ax.invert_yaxis()
+    ax.set_xlim(0, last * ms * 1.15)
+    ax.set_xlabel("milliseconds since backward began")
+    ax.set_title(f"{title}: gradients ready at {end * ms:.1f} ms, all synced at {last * ms:.1f} ms",
+                 fontsize=10)
+    ax.legend(handles=[Patch(color=COMPUTE, label="backward compute"),
+                       Patch(color=COMM, label="all_reduce of a bucket")],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    return ax
+
+
+def bucket_sweep(caps_mb, step_ms, n_buckets, ax=None):
+    """Step time against bucket size, each point labelled with its number of buckets."""
+    ax = _axes(ax, (6, 3.5))
+    ax.plot(caps_mb, step_ms, "o-", color=COMM)
+    for cap, t, n in zip(caps_mb, step_ms, n_buckets):
+        ax.annotate(f"{n} bucket{'s' if n != 1 else ''}", (cap, t), textcoords="offset points",
+                    xytext=(0, 7), ha="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("bucket_cap_mb (log scale)")
+    ax.set_ylabel("step time (ms, median)")
+    ax.set_title("bucket size: many small messages vs little overlap", fontsize=10)
+    ax.margins(y=0.2)
+    return ax
+
+
+def loss_curves(curves, ax=None, title="training loss", styles=None):
+    """`curves`: {label: [loss per step]}. Equal curves are drawn thick then thin so both show."""
+    ax = _axes(ax, (7, 3.5))
+    styles = styles or {}
+    for i, (label, losses) in enumerate(curves.items()):
+        style = dict(lw=max(4 - 1.5 * i, 1), alpha=0.8)
+        style.update(styles.get(label, {}))
+        ax.plot(range(1, len(losses) + 1), losses, label=label, **style)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def step_times(per_rank_ms, ax=None, title="step time per rank"):
+    """`per_rank_ms`: one list of step times (ms) per rank, stacked as data / compute / wait."""
+    ax = _axes(ax, (7, 3.2))
+    parts = ("data", "compute", "wait")
+    colors = ("#8172B2", COMPUTE, COMM)
+    left = [0.0] * len(per_rank_ms)
+    for part, color in zip(parts, colors):
+        widths = [r[part] for r in per_rank_ms]
+        ax.barh(range(len(per_rank_ms)), widths, left=left, color=color, label=part)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_yticks(range(len(per_rank_ms)), [f"rank {r}" for r in range(len(per_rank_ms))])
+    ax.invert_yaxis()
+    ax.set_xlabel("milliseconds per step (median)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return ax
