@@ -1,0 +1,110 @@
+"""Choosing a (dp, pp, tp) layout: every candidate priced with the α-β model and the memory model.
+
+    rows = rank_layouts("Llama-2 13B", nodes=4, gpus_per_node=8)
+    print(table(rows))
+
+Assumptions, stated once (a planning model, not a simulator; measure before you believe it):
+- mesh order (dp, pp, tp), tp fastest: a tp group is tp neighbouring GPUs, inside one node when
+  tp divides the GPUs per node; pp and dp groups cross nodes as soon as the job does;
+- memory per GPU: model states (bf16 mixed precision, Adam; ZeRO-`zero_stage` over dp) of
+  1/(tp·pp) of the parameters, plus activations: with 1F1B the first stage holds pp micro-batches
+  of its layers/pp layers, i.e. one micro-batch of ALL layers, split 1/tp by tensor parallelism
+  (with full activation checkpointing by default, as models of this size are trained);
+- compute: 6·N·tokens FLOPs at `mfu` of `peak_flops`, spread over every GPU, stretched by the
+  pipeline bubble (pp-1)/m, m = micro-batches per data-parallel rank;
+- communication, none of it overlapped with compute (an upper bound):
+  tp: 4 ring all-reduces of one micro-batch's activations (s·b·h, bf16) per layer per micro-batch;
+  pp: 2 sends (activation forward, gradient back) of the same size per micro-batch, m + pp - 1
+      of them on the critical path;
+  dp: one ring all-reduce of this rank's bf16 gradients per step (reduce-scatter + all-gather
+      under ZeRO: the same bytes).
+"""
+from . import cost, memory
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(n_gpus, gpus_per_node, layers, heads, global_batch, micro_batch):
+    """Every (dp, pp, tp) that multiplies to n_gpus and splits the model and the batch evenly."""
+    out = []
+    for tp in divisors(n_gpus):
+        if heads % tp or gpus_per_node % tp:      # tp stays inside one node
+            continue
+        for pp in divisors(n_gpus // tp):
+            dp = n_gpus // (tp * pp)
+            if layers % pp or global_batch % (dp * micro_batch):
+                continue
+            out.append((dp, pp, tp))
+    return out
+
+
+def _link(group_span, gpus_per_node, intra, inter):
+    """The slowest link a group uses: inter-node as soon as it spans more than one node."""
+    return intra if group_span <= gpus_per_node else inter
+
+
+def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, micro_batch=1,
+          zero_stage=1, checkpointing=True, gpu_bytes=80 * memory.GB, peak_flops=989e12, mfu=0.4,
+          intra=cost.INTRA_NODE, inter=cost.INTER_NODE):
+    """Seconds per step (split into compute, bubble, tp, pp, dp) and GB per GPU of one layout."""
+    n, layers, hidden, heads = memory.PRESETS[model]
+    m = global_batch // (dp * micro_batch)
+    states = memory.model_state_bytes(n / (tp * pp), zero_stage=zero_stage, world_size=dp)
+    acts = memory.activation_bytes(seq_len, micro_batch, hidden, layers, heads,
+                                   checkpointing) / tp
+    gb = (sum(states.values()) + acts) / memory.GB
+
+    compute = memory.training_flops(n, global_batch * seq_len) / (dp * pp * tp * peak_flops * mfu)
+    bubble = compute * (pp - 1) / m
+    act_bytes = 2 * seq_len * micro_batch * hidden
+    # Group spans in ranks: tp neighbours; a pp group strides by tp; a dp group by pp·tp.
+    tp_time = m * (layers / pp) * 4 * cost.predict(
+        "ring_all_reduce", act_bytes, tp, _link(tp, gpus_per_node, intra, inter))
+    pp_link = _link(pp * tp, gpus_per_node, intra, inter)
+    pp_time = 0.0 if pp == 1 else (m + pp - 1) * 2 * cost.predict("send", act_bytes, 2, pp_link)
+    dp_time = cost.predict("ring_all_reduce", 2 * n / (tp * pp), dp,
+                           _link(dp * pp * tp, gpus_per_node, intra, inter))
+    total = compute + bubble + tp_time + pp_time + dp_time
+    return dict(dp=dp, pp=pp, tp=tp, gb=gb, fits=gb <= gpu_bytes / memory.GB, step_s=total,
+                compute_s=compute, bubble_s=bubble, tp_s=tp_time, pp_s=pp_time, dp_s=dp_time)
+
+
+def rank_layouts(model, nodes=4, gpus_per_node=8, global_batch=512, micro_batch=1, **kw):
+    """Every candidate layout priced; those that fit in memory first, fastest first."""
+    _, layers, _, heads = memory.PRESETS[model]
+    n_gpus = nodes * gpus_per_node
+    rows = [price(model, dp, pp, tp, gpus_per_node, global_batch, micro_batch=micro_batch, **kw)
+            for dp, pp, tp in candidates(n_gpus, gpus_per_node, layers, heads, global_batch,
+                                         micro_batch)]
+    if not rows:
+        raise ValueError(f"no (dp, pp, tp) splits {model} over {n_gpus} GPUs with a global "
+                         f"batch of {global_batch}.")
+    return sorted(rows, key=lambda r: (not r["fits"], r["step_s"]))
+
+
+def table(rows, top=10):
+    """The ranking as text: one line per layout, the time split into its parts."""
+    head = (f"{'dp':>3} {'pp':>3} {'tp':>3} {'GB/GPU':>7} {'fits':>5} {'step s':>7} "
+            f"{'compute':>8} {'bubble':>7} {'tp comm':>8} {'pp comm':>8} {'dp comm':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows[:top]:
+        lines.append(f"{r['dp']:>3} {r['pp']:>3} {r['tp']:>3} {r['gb']:>7.1f} "
+                     f"{'yes' if r['fits'] else 'no':>5} {r['step_s']:>7.2f} "
+                     f"{r['compute_s']:>8.2f} {r['bubble_s']:>7.2f} {r['tp_s']:>8.2f} "
+                     f"{r['pp_s']:>8.2f} {r['dp_s']:>8.2f}")
+    if len(rows) > top:
+        lines.append(f"... and {len(rows) - top} more")
+    return "\n".join(lines)
+
+
+def best(model, **kw):
+    """The fastest layout that fits, or a one-sentence ValueError when none does."""
+    rows = rank_layouts(model, **kw)
+    if not rows[0]["fits"]:
+        smallest = min(rows, key=lambda r: r["gb"])
+        raise ValueError(f"no layout of {model} fits: the leanest, dp={smallest['dp']} "
+                         f"pp={smallest['pp']} tp={smallest['tp']}, needs "
+                         f"{smallest['gb']:.0f} GB per GPU; add GPUs or shard more (zero_stage).")
+    return rows[0]

@@ -1,0 +1,217 @@
+"""3D parallelism: data, pipeline and tensor parallelism at once, on one (dp, pp, tp) mesh.
+
+    mesh  = Mesh3D(dp=2, pp=2, tp=2)                 # on every rank; groups along each dimension
+    stage = Stage3D.from_dense(make_gpt(), mesh)     # this rank's layers, its shard of each matrix
+    loss  = train_step(stage, mesh, x, y, n_micro=2, lr=0.05)
+
+Rank r sits at coordinate (d, p, t) of a row-major mesh, tp varying fastest:
+- along tp, the ranks of one pipeline stage split every block's matrices (chapter 07's
+  ParallelBlock: column-parallel qkv and fc1, row-parallel proj and fc2); the embeddings, the
+  LayerNorms and the head are small and replicated;
+- along pp, the blocks are cut into consecutive stages that pass activations forward and their
+  gradients backward with send/recv, GPipe order: all micro-batch forwards, then all backwards
+  (chapter 08);
+- along dp, each (pp, tp) position is replicated and sees 1/dp of the global batch; its gradients
+  are averaged over the dp group before the step (chapter 05).
+
+Each parallelism talks only inside its own groups, so the three do not interfere: a tp
+all-reduce involves the ranks of one stage of one replica, a pipeline send goes to the rank with
+the same (d, t) in the next stage, and the dp all-reduce joins ranks holding the same shard.
+"""
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .data_parallel import average_gradients, shard_batch
+from .launch import device
+from .mesh import HandMesh, coordinate
+from .models import lm_loss
+from .tensor_parallel import ColumnParallelLinear, ParallelBlock, RowParallelLinear
+
+NAMES = ("dp", "pp", "tp")
+
+
+class Mesh3D(HandMesh):
+    """A HandMesh of shape (dp, pp, tp), plus this rank's coordinate by name."""
+
+    def __init__(self, dp, pp, tp):
+        super().__init__((dp, pp, tp), NAMES)
+        self.dp, self.pp, self.tp = dp, pp, tp
+        self.d, self.p, self.t = self.get_coordinate()
+
+    def pp_rank(self, stage):
+        """The global rank of `stage` in this rank's pipeline (same dp and tp coordinates)."""
+        return self.ranks["pp"][stage]
+
+
+def stage_bounds(n_layers, n_stages):
+    """[(first block, end), ...]: consecutive blocks, as equal as possible, per stage."""
+    if not 1 <= n_stages <= n_layers:
+        raise ValueError(f"cannot cut {n_layers} blocks into {n_stages} pipeline stages: every "
+                         f"stage needs at least one block.")
+    cuts = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
+class Stage3D(nn.Module):
+    """One rank's part of a TinyGPT: its pipeline stage's blocks, tensor-parallel over tp.
+
+    The first stage also holds the embeddings, the last the final LayerNorm and the head.
+    Parameter names follow the dense model's, so `dense_name` maps one onto the other.
+    """
+
+    def __init__(self, gpt, stage, n_stages, tp_group):
+        super().__init__()
+        self.stage, self.n_stages = stage, n_stages
+        self.first, self.last = stage == 0, stage == n_stages - 1
+        self.start, end = stage_bounds(len(gpt.blocks), n_stages)[stage]
+        if self.first:
+            self.tok, self.pos = copy.deepcopy(gpt.tok), copy.deepcopy(gpt.pos)
+        self.blocks = nn.ModuleList(ParallelBlock.from_dense(b, tp_group)
+                                    for b in gpt.blocks[self.start:end])
+        if self.last:
+            self.ln_f, self.head = copy.deepcopy(gpt.ln_f), copy.deepcopy(gpt.head)
+
+    @classmethod
+    def from_dense(cls, gpt, mesh, on=None):
+        """This rank's part of the dense `gpt`, on device `on` (default: distlab.device())."""
+        return cls(gpt.to(on or device()), mesh.p, mesh.pp, mesh.get_group("tp"))
+
+    def forward(self, x):
+        if self.first:
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+    def dense_name(self, name):
+        """'blocks.0.attn.qkv.weight' of stage 1 -> 'blocks.2.attn.qkv.weight' of the dense model."""
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            return f"blocks.{int(i) + self.start}.{rest}"
+        return name
+
+    def shard_of(self, name, full):
+        """This rank's shard of the dense parameter (or gradient) `full` named `name` here."""
+        owner = self.get_submodule(name.rpartition(".")[0])
+        return owner.shard_of(full) if hasattr(owner, "shard_of") else full
+
+
+# ---- one training step -----------------------------------------------------------------------------
+
+def train_step(stage, mesh, x, y, n_micro, lr):
+    """Forward and backward of one global batch (x, y) on the 3D mesh, then plain SGD.
+
+    Every rank passes the whole global batch; it reads its dp shard of it. Returns the global
+    batch's mean loss, on every rank. Gradients are left in .grad (averaged over dp).
+    """
+    for p in stage.parameters():
+        p.grad = None
+    dtype, on = next(stage.parameters()).dtype, next(stage.parameters()).device
+    x, y = shard_batch(x, mesh.d, mesh.dp).to(on), shard_batch(y, mesh.d, mesh.dp).to(on)
+    if len(x) % n_micro:
+        raise ValueError(f"each data-parallel rank's {len(x)} samples do not split into "
+                         f"{n_micro} equal micro-batches.")
+    xs, ys = x.chunk(n_micro), y.chunk(n_micro)
+    d_model = stage.blocks[0].ln1.normalized_shape[0]
+    pending, saved, total = [], [], torch.zeros((), dtype=dtype, device=on)
+
+    for xm, ym in zip(xs, ys):                      # GPipe: every forward first ...
+        if stage.first:
+            inp = xm
+        else:
+            inp = torch.empty(*xm.shape, d_model, dtype=dtype, device=on)
+            dist.recv(inp, src=mesh.pp_rank(stage.stage - 1))
+            inp.requires_grad_()
+        out = stage(inp)
+        if stage.last:
+            # Equal micro-batches: the mean of their mean losses is the shard's mean loss.
+            out = lm_loss(out, ym) / n_micro
+            total += out.detach()
+        else:
+            # isend: a stage must not wait for its neighbour to pick the activation up.
+            pending.append(dist.isend(out.detach().contiguous(), dst=mesh.pp_rank(stage.stage + 1)))
+        saved.append((inp, out))
+
+    for inp, out in saved:                          # ... then every backward, in the same order
+        if stage.last:
+            out.backward()
+        else:
+            grad = torch.empty_like(out)
+            dist.recv(grad, src=mesh.pp_rank(stage.stage + 1))
+            # (out * grad).sum() sends exactly `grad` into out, without out.backward(grad)'s
+            # slow first-call import (see pipeline_parallel._vjp_root).
+            (out * grad).sum().backward()
+        if not stage.first:
+            pending.append(dist.isend(inp.grad.contiguous(), dst=mesh.pp_rank(stage.stage - 1)))
+    for work in pending:
+        work.wait()
+
+    average_gradients(stage, group=mesh.get_group("dp"))
+    with torch.no_grad():
+        # Plain SGD as torch.optim.SGD computes it (building one imports torch._dynamo: seconds).
+        for p in stage.parameters():
+            p.add_(p.grad, alpha=-lr)
+    return global_loss(total, mesh)
+
+
+def global_loss(shard_loss, mesh):
+    """The last stage's loss, averaged over dp and shared with every stage."""
+    loss = shard_loss.clone() if mesh.p == mesh.pp - 1 else torch.zeros_like(shard_loss)
+    dist.all_reduce(loss, group=mesh.get_group("pp"))
+    dist.all_reduce(loss, group=mesh.get_group("dp"))
+    return loss.item() / mesh.dp
+
+
+# ---- the dense model back, for checkpoints and comparisons --------------------------------------
+
+def _unshard(module, attr, local, group):
+    """The dense tensor from every tp rank's shard of `module.<attr>`."""
+    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or \
+            (isinstance(module, RowParallelLinear) and attr == "bias"):
+        return local
+    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    if isinstance(module, RowParallelLinear):
+        return torch.cat(shards, dim=1)
+    # Stacked q, k, v: each rank holds its slice of each; put every matrix back together.
+    parts = [s.chunk(module.chunks, dim=0) for s in shards]
+    return torch.cat([torch.cat([p[j] for p in parts], dim=0) for j in range(module.chunks)])
+
+
+def dense_state_dict(stage, mesh, grads=False):
+    """Collective: the dense model's state_dict (or gradients) on global rank 0, None elsewhere.
+
+    tp shards are all-gathered inside each stage; then one replica's stages send their part to
+    rank 0. The result does not depend on the layout, so a checkpoint written under one
+    (dp, pp, tp) can be resumed under another.
+    """
+    mine = {}
+    for name, p in stage.named_parameters():
+        owner = stage.get_submodule(name.rpartition(".")[0])
+        value = p.grad if grads else p.detach()
+        mine[stage.dense_name(name)] = _unshard(owner, name.rpartition(".")[2], value,
+                                                mesh.get_group("tp")).cpu()
+    keep = mesh.d == 0 and mesh.t == 0          # one copy of each stage is enough
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine if keep else {}, parts, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def layout_table(dp, pp, tp, n_layers):
+    """Rows (rank, (d, p, t), what it holds) for the picture and the notebook."""
+    bounds = stage_bounds(n_layers, pp)
+    rows = []
+    for r in range(dp * pp * tp):
+        d, p, t = coordinate(r, (dp, pp, tp))
+        a, b = bounds[p]
+        held = (["embeddings"] if p == 0 else []) + [f"blocks {a}-{b - 1} (1/{tp} of each matrix)"
+                                                     if b - a > 1 else
+                                                     f"block {a} (1/{tp} of each matrix)"]
+        held += ["ln_f + head"] if p == pp - 1 else []
+        rows.append((r, (d, p, t), ", ".join(held) + f"; batch part {d + 1} of {dp}"))
+    return rows

@@ -1,0 +1,135 @@
+"""3D parallelism (dp x pp x tp on one mesh) equals single-process training, step by step."""
+import pytest
+import torch
+
+import distlab
+from distlab import parallel3d as p3
+from distlab.models import batches_of, lm_loss, make_gpt, token_data
+
+CFG = dict(vocab=32, d_model=16, n_heads=2, n_layers=4, seq_len=8)
+LR = 0.1
+
+
+def _train_and_compare(rank, world_size, dp, pp, tp, steps, batch, n_micro):
+    """Train on the mesh and, in the same rank, the dense float64 model on the same batches.
+
+    Returns per step (3D loss, reference loss) and the largest difference seen between any of
+    this rank's gradients or updated parameters and its shard of the reference's.
+    """
+    mesh = p3.Mesh3D(dp, pp, tp)
+    ref = make_gpt(seed=0, **CFG).double()
+    stage = p3.Stage3D.from_dense(make_gpt(seed=0, **CFG).double(), mesh)
+    x, y = token_data(n=4 * batch, seq_len=CFG["seq_len"], vocab=CFG["vocab"], seed=1)
+    worst = {"grad": 0.0, "param": 0.0}
+    losses = []
+    for xb, yb in batches_of(x, y, batch, steps):
+        loss = p3.train_step(stage, mesh, xb, yb, n_micro, LR)
+        ref.zero_grad()
+        ref_loss = lm_loss(ref(xb), yb)
+        ref_loss.backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(p.grad, alpha=-LR)
+        for name, p in stage.named_parameters():
+            full = ref.get_parameter(stage.dense_name(name))
+            worst["grad"] = max(worst["grad"],
+                                (p.grad - stage.shard_of(name, full.grad)).abs().max().item())
+            worst["param"] = max(worst["param"],
+                                 (p.detach() - stage.shard_of(name, full.detach())).abs().max().item())
+        losses.append((loss, ref_loss.item()))
+    dense = p3.dense_state_dict(stage, mesh)
+    if dense is not None:
+        full = ref.state_dict()
+        assert set(dense) == set(full)
+        worst["gathered"] = max((dense[k] - full[k]).abs().max().item() for k in full)
+    return losses, worst
+
+
+@pytest.mark.parametrize("dp, pp, tp, batch, n_micro", [
+    (2, 2, 2, 8, 2),     # the full 2x2x2 mesh: 8 ranks
+    (1, 3, 1, 6, 3),     # three pipeline stages (odd), micro-batches of 2
+    (3, 1, 1, 6, 1),     # three data-parallel replicas (odd)
+    (1, 2, 2, 4, 2),     # pipeline x tensor without data parallel
+])
+def test_3d_equals_single_process(dp, pp, tp, batch, n_micro):
+    results = distlab.run(_train_and_compare, dp * pp * tp, dp, pp, tp, 3, batch, n_micro,
+                          timeout=120)
+    for rank, (losses, worst) in enumerate(results):
+        for step, (got, expected) in enumerate(losses):
+            assert got == pytest.approx(expected, abs=1e-12), f"rank {rank}, step {step}"
+        assert worst["grad"] < 1e-12, f"rank {rank}: gradients differ by {worst['grad']}"
+        assert worst["param"] < 1e-12, f"rank {rank}: parameters differ by {worst['param']}"
+    assert results[0][1]["gathered"] < 1e-12
+    # The loss moves: equal curves are not equal because nothing happened.
+    assert results[0][0][0][1] != pytest.approx(results[0][0][-1][1], abs=1e-3)
+
+
+def _train_without_dp_average(rank, world_size):
+    mesh = p3.Mesh3D(2, 1, 1)
+    stage = p3.Stage3D.from_dense(make_gpt(seed=0, **CFG).double(), mesh)
+    original = p3.average_gradients
+    p3.average_gradients = lambda *a, **k: None   # the bug: replicas step on their own shard
+    try:
+        x, y = token_data(n=8, seq_len=CFG["seq_len"], vocab=CFG["vocab"], seed=1)
+        p3.train_step(stage, mesh, x, y, 1, LR)
+    finally:
+        p3.average_gradients = original
+    return stage.blocks[0].mlp.fc1.weight.detach().clone()
+
+
+def test_a_missing_dp_average_is_visible():
+    """The comparison can fail: without the dp all-reduce the two replicas drift apart."""
+    a, b = distlab.run(_train_without_dp_average, 2, timeout=120)
+    assert (a - b).abs().max() > 1e-6
+
+
+def test_stage_bounds():
+    assert p3.stage_bounds(4, 2) == [(0, 2), (2, 4)]
+    assert p3.stage_bounds(4, 3) == [(0, 1), (1, 3), (3, 4)]
+    with pytest.raises(ValueError, match="every stage needs at least one block"):
+        p3.stage_bounds(2, 3)
+
+
+def test_layout_table_names_every_rank():
+    rows = p3.layout_table(2, 2, 2, 4)
+    assert [r for r, _, _ in rows] == list(range(8))
+    assert rows[5] == (5, (1, 0, 1), "embeddings, blocks 0-1 (1/2 of each matrix); batch part 2 of 2")
+    assert "ln_f + head" in rows[2][2]
+
+
+# ---- the layout ranking ----------------------------------------------------------------------------
+
+def test_candidates_split_the_gpus_the_model_and_the_batch():
+    from distlab import layout
+    found = layout.candidates(32, 8, layers=40, heads=40, global_batch=512, micro_batch=1)
+    assert (32, 1, 1) in found and (4, 2, 4) in found
+    for dp, pp, tp in found:
+        assert dp * pp * tp == 32 and 8 % tp == 0 and 40 % tp == 0 and 40 % pp == 0
+    assert (4, 1, 8) in found and all(tp != 16 for _, _, tp in found)   # tp stays in a node
+
+
+def test_price_follows_the_cost_and_memory_models():
+    from distlab import cost, layout, memory
+    r = layout.price("Llama-2 7B", dp=4, pp=2, tp=4, gpus_per_node=8, global_batch=64,
+                     seq_len=2048, micro_batch=1, zero_stage=0)
+    n, layers, hidden, heads = memory.PRESETS["Llama-2 7B"]
+    states = sum(memory.model_state_bytes(n / 8).values())
+    acts = memory.activation_bytes(2048, 1, hidden, layers, heads, True) / 4
+    assert r["gb"] == pytest.approx((states + acts) / 1e9)
+    m = 64 // 4
+    assert r["bubble_s"] == pytest.approx(r["compute_s"] * 1 / m)
+    # 4 x 2 x 4 = 32 GPUs: the dp group spans nodes, so its all-reduce uses the inter-node link.
+    assert r["dp_s"] == pytest.approx(cost.predict("ring_all_reduce", 2 * n / 8, 4, cost.INTER_NODE))
+    assert r["tp_s"] == pytest.approx(m * layers / 2 * 4 * cost.predict(
+        "ring_all_reduce", 2 * 2048 * hidden, 4, cost.INTRA_NODE))
+
+
+def test_rank_layouts_puts_what_fits_first_fastest_first():
+    from distlab import layout
+    rows = layout.rank_layouts("Llama-2 70B", nodes=4, gpus_per_node=8)
+    fits = [r["fits"] for r in rows]
+    assert fits == sorted(fits, reverse=True) and True in fits and False in fits
+    fitting = [r["step_s"] for r in rows if r["fits"]]
+    assert fitting == sorted(fitting)
+    with pytest.raises(ValueError, match="no layout of GPT-3 175B fits"):
+        layout.best("GPT-3 175B", nodes=1)

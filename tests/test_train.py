@@ -1,0 +1,81 @@
+"""`distlab.train` under torchrun on the CPU: it trains, it checkpoints, and it resumes exactly."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distlab import train
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+            "-m", "distlab.train", "--dtype", "float64", "--steps", "5"]
+
+
+def torchrun(*options):
+    done = subprocess.run(TORCHRUN + list(options), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+def checkpoint(folder):
+    return torch.load(folder / "checkpoint.pt", map_location="cpu")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("whole")
+    out = torchrun("--dp", "2", "--pp", "1", "--tp", "2", "--ckpt", str(folder))
+    return folder, out
+
+
+def test_torchrun_trains_and_only_rank_0_logs(uninterrupted):
+    folder, out = uninterrupted
+    lines = out.splitlines()
+    assert "4 ranks (gloo) as dp=2 x pp=1 x tp=2; steps 0..4" in lines
+    assert sum(line.startswith("step ") for line in lines) == 5   # once, not once per rank
+    state = checkpoint(folder)
+    assert state["step"] == 5 and len(state["losses"]) == 5
+
+
+def test_a_resumed_run_continues_with_identical_losses(uninterrupted, tmp_path):
+    whole = checkpoint(uninterrupted[0])
+    torchrun("--dp", "2", "--pp", "1", "--tp", "2", "--ckpt", str(tmp_path), "--stop-after", "1")
+    stopped = checkpoint(tmp_path)
+    assert stopped["step"] == 2 and stopped["losses"] == whole["losses"][:2]
+    out = torchrun("--dp", "2", "--pp", "1", "--tp", "2", "--ckpt", str(tmp_path))
+    assert f"resumed from {tmp_path / 'checkpoint.pt'} at step 2" in out
+    assert "steps 2..4" in out
+    resumed = checkpoint(tmp_path)
+    assert resumed["losses"] == whole["losses"]          # bit for bit: same data, same order
+    for name, value in whole["model"].items():
+        assert torch.equal(resumed["model"][name], value), name
+
+
+def test_a_checkpoint_resumes_under_another_layout(uninterrupted, tmp_path):
+    """The checkpoint holds the dense model, so dp=2 x tp=2 can continue as pp=2 x tp=2."""
+    whole = checkpoint(uninterrupted[0])
+    torchrun("--dp", "2", "--pp", "1", "--tp", "2", "--ckpt", str(tmp_path), "--stop-after", "1")
+    torchrun("--dp", "1", "--pp", "2", "--tp", "2", "--ckpt", str(tmp_path))
+    resumed = checkpoint(tmp_path)
+    # Another layout sums in another order: equal to rounding, not bit for bit.
+    assert resumed["losses"] == pytest.approx(whole["losses"], abs=1e-12)
+    for name, value in whole["model"].items():
+        assert torch.allclose(resumed["model"][name], value, atol=1e-12, rtol=0), name
+
+
+def test_no_option_is_a_prefix_of_a_torchrun_option():
+    """torchrun accepts abbreviations of its own options, so a prefix of one would be stolen."""
+    from torch.distributed.run import get_args_parser
+    theirs = [o for a in get_args_parser()._actions for o in a.option_strings]
+    ours = [o for a in train.parser()._actions for o in a.option_strings if o not in ("-h", "--help")]
+    assert "--dp" in ours and "--stop-after" in ours
+    for mine in ours:
+        clashes = [o for o in theirs if o.startswith(mine)]
+        assert not clashes, f"{mine} is a prefix of torchrun's {clashes}"
+
+
+def test_a_layout_that_does_not_match_the_ranks_is_refused(tmp_path):
+    done = subprocess.run(TORCHRUN + ["--dp", "3", "--pp", "1", "--tp", "2"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0
+    assert "--dp 3 x --pp 1 x --tp 2 = 6 ranks, but 4 were started." in done.stdout + done.stderr
