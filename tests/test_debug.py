@@ -1,0 +1,236 @@
+"""Chapter 11: the detectors find each bug class, the correct loop equals one process, and the
+workbook's checkers pass the fixes and reject the broken versions with the right sentence."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import distlab
+from distlab import debug
+from distlab.checks import CheckFailed, ch11
+from distlab.models import make_mlp
+
+T = 120
+
+
+# ---- the broken pieces (module level: they travel to the ranks by value) -------------------------
+
+def no_sampler(x, y, rank, world_size):
+    n = len(x) // world_size
+    return x[:n], y[:n]
+
+
+def strided(x, y, rank, world_size):
+    return x[rank::world_size], y[rank::world_size]
+
+
+def summed(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def not_reduced(model):
+    for p in model.parameters():
+        p.grad /= dist.get_world_size()
+
+
+def rank_seeded(rank):
+    return make_mlp((16, 32, 4), seed=rank).double()
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+# ---- the loop and the detectors ------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_correct_loop_equals_one_process(world_size):
+    ref = debug.reference()
+    got = distlab.run(debug.train_data_parallel, world_size, watch=True, timeout=T)
+    for r in got:
+        assert r["losses"] == pytest.approx(ref["losses"], abs=1e-12, rel=1e-12)
+        assert _max_diff(r["params"], ref["params"]) < 1e-12
+        assert r["out_of_sync"] == [0] * 4 and r["duplicated"] == [0] * 4
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_detectors_tell_the_bugs_apart(world_size):
+    ref = debug.reference()
+    dup = distlab.run(debug.train_data_parallel, world_size, shard=no_sampler, watch=True,
+                      timeout=T)
+    assert all(r["duplicated"] == [12 // world_size] * 4 for r in dup)
+    assert all(r["out_of_sync"] == [0] * 4 for r in dup)
+    assert _max_diff(dup[0]["params"], ref["params"]) > 1e-4
+
+    drift = distlab.run(debug.train_data_parallel, world_size, build=rank_seeded, watch=True,
+                        timeout=T)
+    assert all(r["out_of_sync"] == [4] * 4 and r["duplicated"] == [0] * 4 for r in drift)
+
+    fixed = distlab.run(debug.train_data_parallel, world_size, build=rank_seeded,
+                        sync=debug.broadcast_parameters, shard=strided, watch=True, timeout=T)
+    for r in fixed:
+        assert r["out_of_sync"] == [0] * 4 and r["duplicated"] == [0] * 4
+        assert _max_diff(r["params"], ref["params"]) < 1e-12
+
+
+def _first_update(rank, world_size, average):
+    model, _ = debug.problem()
+    before = [p.detach().clone() for p in model.parameters()]
+    after = debug.train_data_parallel(rank, world_size, average=average, steps=1)["params"]
+    return [b - a for a, b in zip(after, before)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gradient_scale_names_summed_and_unreduced(world_size):
+    model, _ = debug.problem()
+    ref = [b - a for a, b in zip(debug.reference(steps=1)["params"], model.parameters())]
+    good = distlab.run(_first_update, world_size, debug.average_gradients, timeout=T)[0]
+    assert debug.gradient_scale(good, ref) == pytest.approx(1, abs=1e-10)
+    bad = distlab.run(_first_update, world_size, summed, timeout=T)[0]
+    scale = debug.gradient_scale(bad, ref)
+    assert scale == pytest.approx(world_size, rel=1e-10)
+    assert "summed, not averaged" in debug.explain_gradient_scale(scale, world_size)
+    assert "averaged" in debug.explain_gradient_scale(1.0, world_size)
+    assert "not a plain average" in debug.explain_gradient_scale(0.7, world_size)
+
+
+def _perturbed(rank, world_size):
+    model, _ = debug.problem()
+    clean = debug.replicas_out_of_sync(model)
+    with torch.no_grad():
+        if rank == world_size - 1:
+            model.net[2].bias[1] += 1e-13
+    bias_only = debug.replicas_out_of_sync(model)
+    with torch.no_grad():
+        if rank == 0:
+            w = model.net[0].weight
+            w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()
+    return clean, bias_only, debug.replicas_out_of_sync(model)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_replicas_out_of_sync_names_parameters_on_every_rank(world_size):
+    got = distlab.run(_perturbed, world_size, timeout=T)
+    for clean, bias_only, both in got:
+        assert clean == []
+        assert bias_only == ["net.2.bias"]
+        assert both == ["net.0.weight", "net.2.bias"]
+
+
+def _overlap(rank, world_size):
+    # Rank r holds samples r .. r+3 of one list: neighbours share 3, and rank 0's first is its own.
+    data = torch.arange(40, dtype=torch.float64).reshape(10, 4)
+    mine = data[rank:rank + 4]
+    return debug.duplicated_samples(torch.cat([mine, mine[:1]]))  # a repeat within one rank
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_duplicated_samples_counts_overlap_across_ranks_only(world_size):
+    expected = len({i for r in range(1, world_size) for i in range(r, r + 4)
+                    if any(i in range(q, q + 4) for q in range(r))})
+    assert distlab.run(_overlap, world_size, timeout=T) == [expected] * world_size
+
+
+def test_sample_fingerprints_are_per_row_and_stable():
+    x = torch.tensor([[1.0, 2.0], [1.0, 2.0], [2.0, 1.0]])
+    f = debug.sample_fingerprints(x)
+    assert f[0] == f[1] != f[2] and f == debug.sample_fingerprints(x.clone())
+    assert all(0 <= v < 2 ** 63 for v in f)
+
+
+# ---- hangs: what gloo does, measured ---------------------------------------------------------------
+
+def _mixed_order(rank, world_size):
+    debug.detail_process_group(timeout_s=30)
+    t = torch.ones(4)
+    if rank == 0:
+        dist.all_reduce(t)
+    else:
+        dist.broadcast(t, src=0)
+
+
+def _mixed_shape(rank, world_size):
+    debug.detail_process_group(timeout_s=30)
+    dist.all_reduce(torch.ones(3 if rank == 1 else 4))
+
+
+@pytest.mark.parametrize("fn, aspect", [(_mixed_order, "Op type"), (_mixed_shape, "shapes")])
+def test_detail_turns_mismatches_into_errors(fn, aspect):
+    with pytest.raises(distlab.RankFailed, match="Detected mismatch between collectives") as e:
+        distlab.run(fn, 3, init=False, timeout=60)
+    assert aspect in str(e.value)
+
+
+def test_profile_and_step_times_report_every_rank():
+    profiles = distlab.run(debug.profile_ddp_steps, 2, timeout=T)
+    for p in profiles:
+        assert set(p["ms"]) == {"forward", "backward", "optimizer", "communication"}
+        assert p["ms"]["communication"] > 0 and len(p["top"]) == 5
+    assert any(name.startswith("c10d::allreduce") for p in profiles for name in p["top"])
+    times = distlab.run(debug.step_times, 3, slow_rank=1, delay=0.01, steps=2, timeout=T)
+    assert all(len(t["compute"]) == len(t["wait"]) == 2 for t in times)
+
+
+# ---- the workbook's checkers: fixes pass, broken versions fail with the right sentence -------------
+
+def mean_loss_fixed(loss, rank, world_size):
+    dist.all_reduce(loss)
+    return loss / world_size
+
+
+def mean_loss_hangs(loss, rank, world_size):
+    if rank == 0:
+        dist.all_reduce(loss)
+        return loss / world_size
+    return loss
+
+
+def sync_fixed(model):
+    debug.broadcast_parameters(model)
+
+
+def differ_fixed(model):
+    return bool(debug.replicas_out_of_sync(model))
+
+
+def differ_sum_only(model):
+    total = torch.stack([p.detach().double().sum() for p in model.parameters()])
+    lo, hi = total.clone(), total.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return not torch.equal(lo, hi)
+
+
+def test_checkers_pass_the_fixes(capsys):
+    ch11.check_mean_loss(mean_loss_fixed)
+    ch11.check_my_shard(strided)
+    ch11.check_average_gradients(debug.average_gradients)
+    ch11.check_sync_replicas(sync_fixed)
+    ch11.check_replicas_differ(differ_fixed)
+    assert capsys.readouterr().out.count("✅") == 5
+
+
+def test_checkers_reject_the_bugs(monkeypatch):
+    distlab.run(lambda rank, world_size: None, 2)  # the forkserver is up: the limit is all hang
+    monkeypatch.setattr(ch11, "TIMEOUT", 15)
+    with pytest.raises(CheckFailed, match="mean_loss (hung with|with) world_size=2.*every rank must "
+                                          "call the same collectives"):
+        ch11.check_mean_loss(mean_loss_hangs)
+    monkeypatch.setattr(ch11, "TIMEOUT", 60)
+    with pytest.raises(CheckFailed, match="ranks 0 and 1 both got the same sample"):
+        ch11.check_my_shard(no_sampler)
+    with pytest.raises(CheckFailed, match="gradients are 2x the single-process ones: they were summed"):
+        ch11.check_average_gradients(summed)
+    with pytest.raises(CheckFailed, match="they are not a plain average"):
+        ch11.check_average_gradients(not_reduced)
+    with pytest.raises(CheckFailed, match="4 parameter tensors still differ"):
+        ch11.check_sync_replicas(lambda model: None)
+    with pytest.raises(CheckFailed, match="case 'two elements swapped on rank 1': rank 0 returned False"):
+        ch11.check_replicas_differ(differ_sum_only)
+
+
+def test_unsolved_stub_is_one_line_not_implemented():
+    def stub(*args):
+        raise NotImplementedError("exercise: replace this line with your code")
+    with pytest.raises(NotImplementedError, match="mean_loss is not written yet"):
+        ch11.check_mean_loss(stub)
