@@ -354,3 +354,34 @@ def test_interrupting_a_jupyter_kernel_reaps_every_rank(tmp_path):
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_a_rank_left_behind_is_named_when_the_others_only_lost_a_peer():
+    # The shape-mismatch crash: healthy ranks see "Connection closed by peer", the culprit is
+    # silent. The report must point at the silent rank, not at the first messenger.
+    from distlab.launch import _Launch
+    launch = _Launch(3, "gloo", True, 10, None, {})
+    for rank in (0, 2):
+        launch.ranks[rank].error = {"type": "RuntimeError", "time": rank, "exception": None,
+                                    "message": "[../gloo/transport/tcp/pair.cc] Connection "
+                                               "closed by peer [127.0.0.1]:1234",
+                                    "traceback": "Traceback ..."}
+        launch.ranks[rank].exitcode = 1
+    failure = launch._failure()
+    assert str(failure).startswith(
+        "ranks 0 and 2 lost the connection to a peer while rank 1 was still running: "
+        "rank 1 is the likely cause")
+
+
+def mismatched_ops(rank, world_size):
+    t = torch.ones(3)
+    if rank == 0:
+        dist.all_reduce(t)
+    else:
+        dist.broadcast(t, 0)
+
+
+def test_torch_distributed_debug_passed_in_env_takes_effect():
+    # The forkserver imported torch before the rank saw env=...; the launcher re-reads it.
+    with pytest.raises(RankFailed, match="Detected mismatch between collectives"):
+        distlab.run(mismatched_ops, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=60)

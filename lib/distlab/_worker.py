@@ -50,6 +50,8 @@ def main(spec, payload, conn, out_w, err_w):
         GROUP_RANK="0", ROLE_RANK=str(_rank), ROLE_WORLD_SIZE=str(spec["world_size"]),
     )
     os.environ.update(spec.get("env", {}))
+    # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: read it again.
+    dist.set_debug_level_from_env()
     # Ranks sharing a few cores each get their share: oversubscribed ranks run many times slower.
     torch.set_num_threads(spec["threads"])
     backend = spec["backend"]

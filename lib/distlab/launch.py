@@ -408,7 +408,18 @@ class _Launch:
                     exception = pickle.loads(e["exception"])
                 except Exception:
                     pass
-            message = (f"rank {r.rank} raised {e['type']}: {e['message']}{note}\n\n"
+            first = f"rank {r.rank} raised {e['type']}: {e['message']}{note}"
+            # Everyone who failed only lost a peer: blame whoever was still busy elsewhere.
+            busy = [o.rank for o in self.ranks
+                    if o.error is None and not o.returned and o.exitcode is None]
+            if busy and all(_is_consequence(o.error) for o in errors):
+                who = _ranks_phrase(busy)
+                first = (f"{_ranks_phrase([o.rank for o in errors])} lost the connection to a "
+                         f"peer while {who} {'was' if len(busy) == 1 else 'were'} still running: "
+                         f"{who} is the likely cause (check that every rank calls the same "
+                         f"collectives, with the same shapes, in the same order).\n"
+                         f"rank {r.rank} raised {e['type']}: {e['message']}")
+            message = (f"{first}\n\n"
                        f"Traceback from rank {r.rank}:\n{_pretty_filenames(e['traceback'])}")
             return RankFailed(message, r.rank, e["type"], e["traceback"], exception)
         r = dead[0]

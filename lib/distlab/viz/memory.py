@@ -18,7 +18,8 @@ def memory_bars(columns, capacity=None, capacity_label="one 80 GB GPU", unit=1e9
         ax.bar(labels, heights, bottom=bottoms, color=COLORS[part], label=part, width=0.6)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     for i, total in enumerate(bottoms):
-        ax.text(i, total, f"{total:,.0f} {unit_name}", ha="center", va="bottom", fontsize=9)
+        label = f"{total:,.0f}" if total >= 10 else f"{total:.2g}"
+        ax.text(i, total, f"{label} {unit_name}", ha="center", va="bottom", fontsize=9)
     if capacity is not None:
         ax.axhline(capacity / unit, color="black", linestyle="--", linewidth=1)
         ax.text(len(labels) - 0.5, capacity / unit, f" {capacity_label}", va="bottom",
@@ -26,8 +27,9 @@ def memory_bars(columns, capacity=None, capacity_label="one 80 GB GPU", unit=1e9
     if log:
         ax.set_yscale("log")
     ax.set_ylabel(unit_name)
-    ax.set_ylim(top=max(bottoms + [capacity / unit if capacity else 0]) * 1.15)
-    ax.legend(loc="upper left", fontsize=9)
+    # Headroom above the tallest bar keeps the legend clear of the totals.
+    ax.set_ylim(top=max(bottoms + [capacity / unit if capacity else 0]) * 1.35)
+    ax.legend(loc="upper center", ncol=len(parts), fontsize=8, frameon=False)
     if title:
         ax.set_title(title)
     return ax
