@@ -192,8 +192,9 @@ def test_a_crashing_all_gather_is_reported_in_one_sentence():
         dist.all_gather(pieces, tensor)
         return pieces
 
-    with pytest.raises(CheckFailed, match=r"world_size=2 \(lengths 2, 0\) failed: rank \d raised "
-                                          r"RuntimeError: .*same shapes on every rank"):
+    # gloo either crashes or hangs on uneven pieces; either way one sentence comes back.
+    with pytest.raises(CheckFailed, match=r"world_size=2 \(lengths 2, 0\) (failed|hung): "
+                                          r".*same shapes on every rank"):
         ch02.check_all_gather_uneven(plain_all_gather)
 
 

@@ -9,6 +9,7 @@ import re
 import torch
 import torch.distributed as dist
 
+from ..launch import RunTimeout
 from . import (CheckFailed, RankFailed, call_learner, compare, passed, run, run_learner,
                sizes_phrase)
 
@@ -92,7 +93,12 @@ def check_all_gather_uneven(fn):
         inputs = _uneven_inputs(ws)
         lengths = ", ".join(str(t.numel()) for t in inputs)
         try:
-            got = run_learner(_run_uneven, ws, fn, inputs, name=name, timeout=60)
+            got = run_learner(_run_uneven, ws, fn, inputs, name=name, timeout=20)
+        except RunTimeout as e:
+            # A rank with nothing to send can finish while its peers wait for its data.
+            stuck = "; ".join(line.strip() for line in str(e).splitlines()[1:1 + ws])
+            raise CheckFailed(f"{name} with world_size={ws} (lengths {lengths}) hung: {stuck} "
+                              f"(a collective needs the same shapes on every rank).") from None
         except RankFailed as e:
             if e.exc_type != "RuntimeError":
                 raise  # a bug in the learner's own Python: their traceback says more than we can
