@@ -16,8 +16,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# JupyterLab refuses to run as root (containers, some cloud VMs) unless told it may.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --notebook-dir=. notebooks/00_why_distributed.ipynb
+	$(VENV)/bin/jupyter lab $(ROOT_FLAG) --notebook-dir=. $(LAB_ARGS) notebooks/00_why_distributed.ipynb
 
 test: $(STAMP)
 	DISTLAB_NO_PROGRESS=1 $(PY) -m pytest tests notebooks solutions $(NBVAL) --timeout=900 -q
