@@ -5,7 +5,8 @@
 
 Assumptions, stated once (a planning model, not a simulator; measure before you believe it):
 - mesh order (dp, pp, tp), tp fastest: a tp group is tp neighbouring GPUs, inside one node when
-  tp divides the GPUs per node; pp and dp groups cross nodes as soon as the job does;
+  tp divides the GPUs per node; a pp group spans pp·tp neighbouring GPUs and crosses nodes only
+  when pp·tp exceeds a node; dp groups cross nodes as soon as the job does;
 - memory per GPU: model states (bf16 mixed precision, Adam; ZeRO-`zero_stage` over dp) of
   1/(tp·pp) of the parameters, plus activations: with 1F1B the first stage holds pp micro-batches
   of its layers/pp layers, i.e. one micro-batch of ALL layers, split 1/tp by tensor parallelism

@@ -9,8 +9,9 @@ With torchrun on one machine (nccl when every local rank has a GPU, else gloo):
     torchrun --standalone --nproc-per-node=4 -m distlab.train --dp 2 --pp 1 --tp 2 --ckpt /tmp/run1
 
 On a cluster: the same command on every node, with one rendezvous endpoint (a host:port of the
-first node that all nodes can reach) and a job id they share. 2 nodes x 8 GPUs, TP inside a
-node, the pipeline across the two nodes:
+first node that all nodes can reach) and a job id they share. 2 nodes x 8 GPUs; with the mesh
+order (dp, pp, tp) each node holds one whole data-parallel replica (both pipeline stages, TP
+inside the node), so only the dp all-reduces cross the network:
 
     torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d \\
              --rdzv-endpoint=node0.example:29500 --rdzv-id=gpt3d \\
