@@ -206,11 +206,11 @@ def hang_in_collective(rank, world_size, folder):
 def test_timeout_names_running_ranks_and_where_they_are(pid_dir, capsys):
     folder, pids = pid_dir
     with pytest.raises(RunTimeout) as info:
-        distlab.run(hang_in_collective, 3, folder, timeout=6)
+        distlab.run(hang_in_collective, 3, folder, timeout=20)
     e = info.value
     assert e.running == [0, 1, 2]
     lines = str(e).splitlines()
-    assert lines[0] == "distlab.run timed out after 6 s: ranks 0, 1 and 2 still running."
+    assert lines[0] == "distlab.run timed out after 20 s: ranks 0, 1 and 2 still running."
     assert lines[1].startswith("  rank 0: waits in all_reduce, called from hang_in_collective")
     assert lines[2].startswith("  rank 1: is at hang_in_collective") and "time.sleep(60)" in lines[2]
     assert lines[3].startswith("  rank 2: waits in all_reduce")
@@ -224,7 +224,7 @@ def test_finished_ranks_are_reported_as_finished():
         if rank == 0:
             time.sleep(60)
     with pytest.raises(RunTimeout) as info:
-        distlab.run(only_rank_0_hangs, 2, timeout=5)
+        distlab.run(only_rank_0_hangs, 2, timeout=15)
     assert info.value.running == [0]
     assert "rank 1: finished" in str(info.value)
 

@@ -88,7 +88,7 @@ class ZeRO:
     def _reduce_scatter_grad(self, grad, shard):
         """Average `grad` over the ranks, keeping only this rank's slice (in shard.grad)."""
         padded, c = self._padded(grad.reshape(-1))
-        out = torch.empty(c, dtype=grad.dtype)
+        out = torch.empty(c, dtype=grad.dtype, device=grad.device)
         dist.reduce_scatter(out, list(padded.split(c)), group=self.group)
         self.sent["reduce_scatter"] += c * grad.element_size() * (self.world - 1)
         mine = out[:shard.numel()] / self.world
@@ -146,7 +146,7 @@ class ZeRO:
         """Every parameter, whole, in model order (gathers them under stage 3)."""
         out = []
         for p, s in zip(self.params, self.shards):
-            full = torch.empty(p.shape, dtype=p.dtype)
+            full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
             if self.stage == 3:
                 full.view(-1).copy_(gather_flat(s.data, p.numel(), self.group))
             else:

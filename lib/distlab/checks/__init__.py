@@ -8,7 +8,14 @@ import numbers
 
 import torch
 
-from ..launch import RankFailed, run
+from ..launch import RankFailed
+from ..launch import run as _launch_run
+
+
+def run(fn, world_size, *args, **kwargs):
+    """distlab.run on gloo: checkers build their data on the CPU, whatever GPUs the machine has."""
+    kwargs.setdefault("backend", "gloo")
+    return _launch_run(fn, world_size, *args, **kwargs)
 
 
 class CheckFailed(AssertionError):

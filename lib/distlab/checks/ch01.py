@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from . import CheckFailed, call_learner, compare, passed, run_learner, sizes_phrase
-from ..launch import run
+from . import run
 from ..rendezvous import open_store
 
 SLICE_WORLD_SIZES = range(1, 9)
@@ -69,7 +69,7 @@ def _compare_configs(got, expected, context):
 def _share_through_store(rank, world_size, share_config, config):
     store = open_store(rank, world_size)
     if rank == 0:
-        time.sleep(0.3)  # rank 0 arrives last, so reading before it has published shows up
+        time.sleep(1.0)  # rank 0 arrives last, so reading before it has published shows up
     got = share_config(rank, world_size, store, config if rank == 0 else None)
     # The store lives in rank 0's process: keep it up until every rank has its answer.
     store.add("checker/done", 1)

@@ -10,14 +10,18 @@ import torch
 import torch.distributed as dist
 
 from . import CheckFailed, compare, passed, run_learner, sizes_phrase
-from ..launch import RankFailed, run
+from ..launch import RankFailed
+from . import run
 
 WORLD_SIZES = (2, 3, 5)
 LENGTHS = (1, 4, 7, 13)
 # The built-in collectives a learner might reach for; inside the check they refuse to run.
 BUILTINS = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
-            "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-            "scatter", "gather")
+            "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
+            "reduce_scatter_single", "all_to_all", "all_to_all_single", "scatter", "gather",
+            "all_reduce_coalesced", "all_gather_coalesced", "broadcast_object_list",
+            "all_gather_object", "gather_object", "scatter_object_list", "_all_gather_base",
+            "_reduce_scatter_base")
 
 
 class UsedBuiltinCollective(RuntimeError):
@@ -35,15 +39,17 @@ def _forbid_builtins():
                 f"your function called dist.{name}; the exercise is to build it from "
                 f"send/recv (or isend/irecv) only.")
         return refused
-    saved = {name: getattr(dist, name) for name in BUILTINS if hasattr(dist, name)}
-    for name in saved:
-        setattr(dist, name, refuse(name))
+    # Both names: `dist.x` and torch's internal `distributed_c10d.x` (what helpers call).
+    saved = {(module, name): getattr(module, name) for module in (dist, dist.distributed_c10d)
+             for name in BUILTINS if hasattr(module, name)}
+    for module, name in saved:
+        setattr(module, name, refuse(name))
     return saved
 
 
 def _restore(saved):
-    for name, fn in saved.items():
-        setattr(dist, name, fn)
+    for (module, name), fn in saved.items():
+        setattr(module, name, fn)
 
 
 # ---- what runs on the ranks ----------------------------------------------------------------------

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from ..launch import run
+from . import run
 from . import call_learner, compare, passed, run_learner
 
 # Square and lopsided meshes, every dimension order, a size-1 dimension and odd world sizes.
@@ -16,7 +16,6 @@ MESHES = [
 ]
 
 _truth = {}
-# Generous limits: other notebooks may share the cores, and a busy machine is not a wrong answer.
 
 
 def _what_device_mesh_says(rank, world_size, shape, names):

@@ -95,12 +95,13 @@ def check_bucketed_hooks(fn, world_sizes=(2, 3)):
         model, (x, y) = _model(), _data()
         buckets = _buckets_of(model)
         real_all_reduce = dist.all_reduce
-        calls = {"during_backward": 0, "total": 0}
+        calls = {"during_backward": 0, "total": 0, "async": 0}
         in_backward = [False]
 
         def counting_all_reduce(*args, **kwargs):
             calls["total"] += 1
             calls["during_backward"] += in_backward[0]
+            calls["async"] += bool(kwargs.get("async_op"))
             return real_all_reduce(*args, **kwargs)
 
         dist.all_reduce = counting_all_reduce
@@ -146,6 +147,11 @@ def check_bucketed_hooks(fn, world_sizes=(2, 3)):
                     f"{r['calls']['during_backward']} of {expected_calls} all_reduces during "
                     f"backward: launch each bucket from the hook (async_op=True) so it overlaps "
                     f"the rest of backward, and only wait in finish().")
+            if r["calls"]["async"] != expected_calls:
+                raise CheckFailed(
+                    f"with world_size={ws}, rank {rank} made {expected_calls - r['calls']['async']}"
+                    f" of its {expected_calls} all_reduces blocking: pass async_op=True so backward "
+                    f"goes on while the bucket travels, and wait for the handles in finish().")
             _compare_steps(r["grads"], expected_grads, "the gradient", ws, rank, _names())
             _compare_steps(r["params"], expected_params, "the parameter after the step", ws, rank,
                            _names())

@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 from .. import tp_comm
-from ..launch import RankFailed, run
+from ..launch import RankFailed
+from . import run
 from . import CheckFailed, _not_written, compare, passed, run_learner, sizes_phrase
 
 WORLD_SIZES = (2, 3, 4)
@@ -127,6 +128,10 @@ def check_megatron_mlp(learner_function, learner_row_fn):
     learner_row_fn, against the dense MLP."""
     names = (getattr(learner_function, "__name__", "your Function"),
              getattr(learner_row_fn, "__name__", "your row-parallel function"))
+    if not hasattr(learner_function, "apply") or not callable(learner_row_fn):
+        raise TypeError(f"the check needs your autograd.Function class and your row-parallel "
+                        f"function, in that order, e.g. check_megatron_mlp(IdentityAllReduce, "
+                        f"row_parallel_linear); got {learner_function!r}, {learner_row_fn!r}.")
     for ws in WORLD_SIZES:
         try:
             results = run(_mlp_rank, ws, learner_function, learner_row_fn, timeout=60)
