@@ -7,7 +7,6 @@ one tensor, destroy the group, exit. Prints the times and the ratios, all measur
 """
 import argparse
 import os
-import socket
 import statistics
 import time
 
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import distlab
+from distlab.launch import _free_port as free_port
 
 
 def work(rank, world_size):
@@ -30,12 +30,6 @@ def spawned(rank, world_size, port):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     work(rank, world_size)
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def timed(fn):

@@ -36,12 +36,15 @@ BACKENDS = ("gloo", "nccl")
 
 
 class RankFailed(RuntimeError):
-    """A rank raised an exception or died. `.rank`, `.exc_type`, `.remote_traceback`, `.exception`."""
+    """A rank raised an exception or died. `.rank`, `.exc_type`, `.remote_traceback`, `.exception`;
+    `.peer_lost` is True when the error only says a peer vanished (the cause is elsewhere)."""
 
-    def __init__(self, message, rank, exc_type=None, remote_traceback="", exception=None):
+    def __init__(self, message, rank, exc_type=None, remote_traceback="", exception=None,
+                 peer_lost=False):
         super().__init__(message)
         self.rank, self.exc_type = rank, exc_type
         self.remote_traceback, self.exception = remote_traceback, exception
+        self.peer_lost = peer_lost
 
 
 class RunTimeout(TimeoutError):
@@ -421,7 +424,8 @@ class _Launch:
                          f"rank {r.rank} raised {e['type']}: {e['message']}")
             message = (f"{first}\n\n"
                        f"Traceback from rank {r.rank}:\n{_pretty_filenames(e['traceback'])}")
-            return RankFailed(message, r.rank, e["type"], e["traceback"], exception)
+            return RankFailed(message, r.rank, e["type"], e["traceback"], exception,
+                              peer_lost=_is_consequence(e))
         r = dead[0]
         return RankFailed(f"rank {r.rank} {_exit_phrase(r.exitcode)} before its function "
                           f"returned, without raising a Python exception.", r.rank)
