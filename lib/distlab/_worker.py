@@ -66,9 +66,16 @@ def main(spec, payload, conn, out_w, err_w):
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
         if spec["init"]:
-            _init_process_group(spec)
+            store = _init_process_group(spec)
             initialised_here = True
-        result = fn(_rank, spec["world_size"], *args, **kwargs)
+        recorder = _recorder(spec, store if spec["init"] else None)
+        if recorder is not None:
+            recorder.start()
+        try:
+            result = fn(_rank, spec["world_size"], *args, **kwargs)
+        finally:
+            if recorder is not None:
+                conn.send(("trace", recorder.stop()))
         try:
             blob = pickle.dumps(_to_cpu(result))
         except Exception as e:
@@ -106,6 +113,20 @@ def _init_process_group(spec):
     dist.init_process_group(spec["backend"], store=store, rank=_rank,
                             world_size=spec["world_size"],
                             timeout=timedelta(seconds=spec["pg_timeout"]))
+    return store
+
+
+def _recorder(spec, store):
+    """The trace recorder of this rank (with a virtual clock under emulation), or None."""
+    if not spec.get("trace"):
+        return None
+    from . import _tracer
+    from .emulate import Clock
+    clock = None
+    if spec.get("emulate") is not None:
+        clock = Clock(spec["emulate"], dist.PrefixStore("distlab-emulate/", store), _rank,
+                      spec["world_size"])
+    return _tracer.Recorder(_rank, clock)
 
 
 def _to_cpu(obj):

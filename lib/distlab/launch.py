@@ -56,9 +56,11 @@ class RunTimeout(TimeoutError):
 
 
 class Results(list):
-    """The ranks' return values in rank order, plus how the run went (backend, seconds)."""
+    """The ranks' return values in rank order, plus how the run went (backend, seconds, and
+    `trace`: a distlab.trace.Trace when the run was traced or emulated, else None)."""
     backend = None
     seconds = None
+    trace = None
 
 
 def device():
@@ -78,7 +80,7 @@ def choose_backend(world_size):
 
 
 def run(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, backend=None, init=True, threads=None,
-        env=None, **kwargs):
+        env=None, trace=False, emulate=None, **kwargs):
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return their results.
 
     timeout: seconds before the ranks are stopped and their stacks reported (None: no limit).
@@ -86,8 +88,18 @@ def run(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, backend=None, init=True,
     init:    False leaves init_process_group to `fn` (the environment is set as torchrun sets it).
     threads: torch threads per rank; by default the cores divided among the ranks.
     env:     extra environment variables for the ranks.
+    trace:   True records what every rank communicated and computed (`results.trace`).
+    emulate: a preset name (see distlab.emulate.PRESETS) or a distlab.emulate.Cluster: time
+             is modeled on that accelerator and its links instead of measured (traced too).
     """
     _check_arguments(fn, world_size, timeout, backend, threads)
+    from .emulate import resolve
+    cluster = resolve(emulate)
+    if cluster is not None and not init:
+        raise ValueError("emulate= needs init=True: the emulated clocks are set up together with "
+                         "the process group.")
+    if not isinstance(trace, bool):
+        raise TypeError(f"trace must be True or False; got {trace!r}.")
     backend = backend or choose_backend(world_size)
     if backend == "nccl":
         import torch
@@ -97,6 +109,7 @@ def run(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, backend=None, init=True,
                 f"has {torch.cuda.device_count()} GPU(s). Use backend='gloo' (it runs on CPUs).")
     payload = _pickle_payload(fn, args, kwargs)
     launch = _Launch(world_size, backend, init, timeout, threads, env or {})
+    launch.trace, launch.cluster = trace or cluster is not None, cluster
     return launch.run(payload)
 
 
@@ -259,6 +272,7 @@ class _Rank:
         self.error = None
         self.exitcode = None
         self.dump_path = None
+        self.trace = None
 
 
 class _Launch:
@@ -268,6 +282,7 @@ class _Launch:
         self.threads = threads or max(1, _cores() // world_size)
         self.ranks = [_Rank(r) for r in range(world_size)]
         self.progress = None
+        self.trace, self.cluster = False, None
 
     def run(self, payload):
         started = time.perf_counter()
@@ -283,7 +298,8 @@ class _Launch:
             spec = dict(world_size=self.world_size, backend=self.backend, init=self.init,
                         master_addr="127.0.0.1", master_port=port, store_port=port,
                         threads=self.threads, env=self.env, sources=_cell_sources(),
-                        pg_timeout=(self.timeout or 1800) + 60)
+                        pg_timeout=(self.timeout or 1800) + 60,
+                        trace=self.trace, emulate=self.cluster)
             for r in self.ranks:
                 self._start(ctx, r, payload, dict(spec, rank=r.rank,
                                          dump_path=os.path.join(tmpdir.name, f"stack{r.rank}")))
@@ -299,11 +315,17 @@ class _Launch:
             self._close_fds()
             tmpdir.cleanup()
             del store  # the parent's store lives exactly as long as the launch
+        if self.cluster is not None:
+            from .emulate import describe
+            print(describe(self.cluster))
         self._print_output()
         if failure is not None:
             raise failure
         results = Results(r.result for r in self.ranks)
         results.backend, results.seconds = self.backend, time.perf_counter() - started
+        if self.trace:
+            from .trace import Trace
+            results.trace = Trace([r.trace for r in self.ranks], self.cluster)
         return results
 
     def _start(self, ctx, r, payload, spec):
@@ -365,6 +387,8 @@ class _Launch:
             return
         if kind == "result":
             r.result, r.returned = pickle.loads(body), True
+        elif kind == "trace":
+            r.trace = body
         elif kind == "error":
             r.error = body
         elif kind == "progress":

@@ -1,0 +1,347 @@
+"""Inside a rank: record every communication call and every marked compute span, and (under
+emulation) move the rank's virtual clock. `distlab.trace` is the public face of this module.
+
+Two layers, because neither sees everything:
+- the methods of torch's `ProcessGroup` are wrapped for the length of the run. Every collective
+  and point-to-point call made from Python goes through them (`dist.all_reduce`, `dist.isend`,
+  `batch_isend_irecv`, `group.allreduce(...)` called directly, FSDP2's gathers, whatever name the
+  function was imported under), so the wrapper sees the group, the peer, the tag and the Work
+  handle, and under emulation can make `wait()` complete at the modeled time;
+- a TorchDispatchMode sees every tensor operation, including the `c10d::` ops that C++ code
+  issues (torch's DDP reducer, DTensor's functional collectives): those are recorded as
+  `native`. Under emulation the mode also charges each operation's modeled compute time.
+The profiler sees c10d calls too, but not the peer of a message, and it cannot delay a wait.
+"""
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+_active = None          # the Recorder of this rank while a traced run is going
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _nbytes(x):
+    return sum(t.numel() * t.element_size() for t in _tensors(x))
+
+
+def _dtype(*xs):
+    for x in xs:
+        ts = _tensors(x)
+        if ts:
+            return str(ts[0].dtype).replace("torch.", "")
+    return None
+
+
+# ProcessGroup method -> (op, the bytes the op's model needs). For gathers and scatters that is the
+# FULL tensor (what all ranks hold together); for all_to_all what this rank sends.
+_COLLECTIVES = {
+    "allreduce": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "allreduce_coalesced": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "broadcast": ("broadcast", lambda a, n: _nbytes(a[0])),
+    "reduce": ("reduce", lambda a, n: _nbytes(a[0])),
+    "allgather": ("all_gather", lambda a, n: _nbytes(a[0])),
+    "_allgather_base": ("all_gather", lambda a, n: _nbytes(a[0])),
+    "all_gather_single": ("all_gather", lambda a, n: _nbytes(a[0])),
+    "allgather_coalesced": ("all_gather", lambda a, n: _nbytes(a[0])),
+    "allgather_into_tensor_coalesced": ("all_gather", lambda a, n: _nbytes(a[0])),
+    "all_gather_single_coalesced": ("all_gather", lambda a, n: _nbytes(a[0])),
+    "reduce_scatter": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
+    "_reduce_scatter_base": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
+    "reduce_scatter_single": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
+    "reduce_scatter_single_coalesced": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
+    "alltoall": ("all_to_all", lambda a, n: _nbytes(a[1])),
+    "alltoall_base": ("all_to_all", lambda a, n: _nbytes(a[1])),
+    "all_to_all_single": ("all_to_all", lambda a, n: _nbytes(a[1])),
+    "gather": ("gather", lambda a, n: _nbytes(a[1]) * n),
+    "scatter": ("scatter", lambda a, n: _nbytes(a[0]) * n),
+    "barrier": ("barrier", lambda a, n: 4),
+    "monitored_barrier": ("barrier", lambda a, n: 4),
+}
+_P2P = ("send", "recv", "recv_anysource")
+# c10d ops issued from C++ (torch's DDP reducer) and DTensor's functional collectives.
+_NATIVE = {f"{method}_": op for method, (op, _) in _COLLECTIVES.items()}
+_NATIVE.update(all_reduce="all_reduce", all_gather_into_tensor="all_gather",
+               reduce_scatter_tensor="reduce_scatter", all_to_all_single="all_to_all",
+               broadcast="broadcast")
+_COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+
+
+class TracedWork(dist.Work):
+    """The Work handle a traced call returns: the real one inside, the event to complete beside."""
+
+    def __init__(self, inner, event, recorder):
+        super().__init__()
+        self._inner, self._event, self._recorder = inner, event, recorder
+        self._finished = False
+
+    def wait(self, timeout=None):
+        if self._finished:
+            return True
+        called = self._recorder.now()
+        ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        self._recorder.finish(self._event, self._inner, called)
+        self._finished = True
+        return ok
+
+    def is_completed(self):
+        return self._inner.is_completed()
+
+    def is_success(self):
+        return self._inner.is_success()
+
+    def exception(self):
+        return self._inner.exception()
+
+    def source_rank(self):
+        return self._inner.source_rank()
+
+    def _source_rank(self):
+        return self._inner._source_rank()
+
+    def result(self):
+        return self._inner.result()
+
+    def synchronize(self):
+        return self._inner.synchronize()
+
+    def get_future(self):
+        return self._inner.get_future()
+
+    def block_current_stream(self):
+        return self._inner.block_current_stream()
+
+
+class _DeviceMode(TorchDispatchMode):
+    """Sees every tensor op: charges modeled compute, records collectives issued from C++."""
+
+    def __init__(self, recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        rec = self.recorder
+        if func.namespace in _COMM_NAMESPACES:
+            name = func.__name__.split(".")[0]
+            if not rec.inside and not name.startswith(("wait", "barrier")):
+                rec.native(_NATIVE.get(name, name), _nbytes(args), _dtype(args))
+        elif rec.clock is not None and not getattr(func, "is_view", False):
+            rec.charge(func, args, kwargs, out)
+        return out
+
+
+class Recorder:
+    """What one rank did: communication events and compute spans, on its clock."""
+
+    def __init__(self, rank, clock=None):
+        self.rank, self.clock = rank, clock
+        self.events, self.spans = [], []
+        self.inside = False          # inside a wrapped call: its c10d op is not recorded twice
+        self.t0 = time.monotonic()
+        self._ranks = {}
+        self._label = []             # names of the enclosing span()s
+        self._open = None            # the compute span being extended op by op (emulation)
+        self._thread = threading.get_ident()
+        self._mode = None
+
+    # -- the clock ---------------------------------------------------------------------------
+    def now(self):
+        return self.clock.now if self.clock is not None else time.monotonic() - self.t0
+
+    def _marker(self, now=None):
+        """What changes when the rank does anything: its virtual clock, its events and spans."""
+        clock = None if self.clock is None else (self.now() if now is None else now)
+        return clock, len(self.events), len(self.spans)
+
+    # -- compute -----------------------------------------------------------------------------
+    def charge(self, func, args, kwargs, out):
+        formula = flop_registry.get(func._overloadpacket)
+        flops = 0
+        if formula is not None:
+            try:
+                flops = formula(*args, **kwargs, out_val=out)
+            except Exception:
+                flops = 0
+        nbytes = _nbytes(args) + _nbytes(out)
+        if not flops and not nbytes:
+            return
+        start = self.clock.now
+        self.clock.compute(flops, nbytes, _first_dtype(args))
+        name = self._label[-1] if self._label else "compute"
+        if self._open is not None and self._open["name"] == name and self._open["end"] == start:
+            self._open["end"] = self.clock.now
+            self._open["flops"] += flops
+        else:
+            self._open = dict(kind="compute", name=name, start=start, end=self.clock.now,
+                              flops=flops)
+            self.spans.append(self._open)
+
+    def span_enter(self, name):
+        self._label.append(name)
+        self._open = None
+        return self.now()
+
+    def span_exit(self, name, started):
+        self._label.pop()
+        self._open = None
+        if self.clock is None:
+            self.spans.append(dict(kind="compute", name=name, start=started, end=self.now(),
+                                   flops=None))
+
+    def modeled_compute(self, seconds, name):
+        """A stretch of compute of known length (a slow rank, a kernel the model cannot see)."""
+        self._open = None
+        start = self.now()
+        if self.clock is not None:
+            self.clock.now += seconds
+        else:
+            time.sleep(seconds)
+        self.spans.append(dict(kind="compute", name=name, start=start, end=self.now(),
+                               flops=None))
+
+    # -- communication -----------------------------------------------------------------------
+    def ranks_of(self, pg):
+        key = id(pg)
+        if key not in self._ranks:
+            try:
+                ranks = tuple(dist.get_process_group_ranks(pg))
+            except Exception:
+                ranks = tuple(range(pg.size()))
+            self._ranks[key] = (pg, ranks)     # keep pg alive: its id must stay unique
+        return self._ranks[key][1]
+
+    def call(self, pg, method, original, args, kwargs):
+        ranks = self.ranks_of(pg)
+        event = dict(kind="comm", op=None, method=method, group=ranks, peer=None, tag=None,
+                     bytes=0, dtype=_dtype(args), launch=self.now(), start=None, end=None,
+                     waited=0.0, async_op=None, native=False, label=self._label[-1:] or None,
+                     seq=len(self.events))
+        if method in _P2P:
+            event["op"] = "send" if method == "send" else "recv"
+            event["bytes"] = _nbytes(args[0])
+            event["tag"] = args[-1] if args else kwargs.get("tag", 0)
+            if method != "recv_anysource":
+                event["peer"] = ranks[args[1]]
+        else:
+            op, size = _COLLECTIVES[method]
+            event["op"], event["bytes"] = op, size(args, len(ranks))
+        self._open = None
+        if self.clock is not None:
+            if event["op"] == "send":
+                event["start"], event["end"] = self.clock.send(event["bytes"], event["peer"],
+                                                               event["tag"])
+            elif event["op"] != "recv":
+                event["start"], event["end"] = self.clock.collective(
+                    event["op"], event["bytes"], ranks, pg.group_name)
+        self.events.append(event)
+        event["_marker"] = self._marker()
+        self.inside = True
+        try:
+            work = original(pg, *args, **kwargs)
+        finally:
+            self.inside = False
+        if work is None:
+            self.finish(event, None)
+            return None
+        return TracedWork(work, event, self)
+
+    def finish(self, event, inner, called=None):
+        """The caller waits for `event`: on the virtual clock, until its modeled completion."""
+        marker = event.pop("_marker", None)
+        called = self.now() if called is None else called
+        # Async: the caller did something else between launching and waiting.
+        event["async_op"] = marker != self._marker(called)
+        if event["op"] == "recv" and event["peer"] is None and inner is not None:
+            event["peer"] = event["group"][inner._source_rank()]
+        if self.clock is not None:
+            if event["op"] == "recv":
+                arrival = self.clock.arrival(event["peer"], event["tag"])
+                event["start"], event["end"] = event["launch"], max(event["launch"], arrival)
+            event["waited"] = max(0.0, event["end"] - self.clock.now)
+            self.clock.now = max(self.clock.now, event["end"])
+        else:
+            # inner.wait() has returned: the wall clock says when, and how long the caller was blocked.
+            event["start"], event["end"] = event["launch"], self.now()
+            event["waited"] = event["end"] - called
+        self._open = None
+
+    def native(self, op, nbytes, dtype):
+        """A collective issued from C++ (torch DDP, DTensor). Recorded; under emulation it occupies
+        the link for its modeled time, but C++ waits for it, so the clock cannot wait with it."""
+        start = end = None
+        if self.clock is not None:
+            start, end = self.clock.unsynchronised(op, nbytes)
+        self._open = None
+        self.events.append(dict(
+            kind="comm", op=op, method=op, group=None, peer=None, tag=None, bytes=nbytes,
+            dtype=dtype, launch=self.now(), start=start, end=end, waited=0.0, async_op=True,
+            native=True, label=self._label[-1:] or None, seq=len(self.events)))
+
+    # -- switching it on and off ---------------------------------------------------------------
+    def start(self):
+        global _active
+        _active = self
+        _patch()
+        self._mode = _DeviceMode(self)
+        self._mode.__enter__()
+
+    def stop(self):
+        global _active
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        _unpatch()
+        _active = None
+        return dict(rank=self.rank, events=[_public(e) for e in self.events], spans=self.spans,
+                    end=self.now())
+
+
+def _public(event):
+    return {k: v for k, v in event.items() if not k.startswith("_")}
+
+
+def _first_dtype(args):
+    for t in _tensors(args):
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
+
+_originals = {}
+
+
+def _wrap(method, original):
+    def traced(pg, *args, **kwargs):
+        rec = _active
+        if rec is None or rec.inside or threading.get_ident() != rec._thread:
+            return original(pg, *args, **kwargs)
+        return rec.call(pg, method, original, args, kwargs)
+    traced.__name__ = method
+    return traced
+
+
+def _patch():
+    for method in list(_COLLECTIVES) + list(_P2P):
+        if method not in _originals and hasattr(ProcessGroup, method):
+            _originals[method] = getattr(ProcessGroup, method)
+            setattr(ProcessGroup, method, _wrap(method, _originals[method]))
+
+
+def _unpatch():
+    for method, original in _originals.items():
+        setattr(ProcessGroup, method, original)
+    _originals.clear()

@@ -1,0 +1,184 @@
+"""What every rank did: `distlab.run(fn, n, trace=True)` returns a Trace with its results.
+
+    results = distlab.run(fn, 4, trace=True)            # or emulate="a100-nvlink" (traced too)
+    t = results.trace
+    t.comm(rank=2)           # rank 2's collectives and messages, in the order it issued them
+    t.sends(rank=2)          # [(peer, bytes), ...] of its point-to-point sends
+    t.matrix()               # bytes sent from each rank to each rank by point-to-point calls
+    print(t.summary())       # per rank: compute, communication, time waited, messages, bytes
+    distlab.viz.trace.timeline(t)   # a per-rank timeline of compute / communication / waiting
+
+Each communication event is a dict: `op` (all_reduce, all_gather, reduce_scatter, broadcast,
+reduce, all_to_all, gather, scatter, barrier, send, recv), `group` (the global ranks of its
+process group), `peer` (global rank, for send/recv), `tag`, `bytes` (for a collective the tensor
+its model needs: the full one for gathers and scatters; for a message its size), `dtype`,
+`launch` (when the rank called it), `start` and `end` (when the transfer ran), `waited` (how long
+the caller was blocked in it), `async_op` (the caller did something else before waiting),
+`native` (issued from C++, e.g. torch's DDP: recorded, but neither its peer nor its wait is
+seen), and `label` (the enclosing `span`). Compute spans have `name`, `start`, `end`, `flops`.
+
+Times are seconds since the rank started its function: measured on this machine, or modeled on
+the emulated accelerator (`trace.emulated` is then the distlab.emulate.Cluster).
+
+Inside a rank, mark what the timeline should name:
+
+    with distlab.trace.span("forward"):  ...      # a named compute span
+    distlab.trace.compute(seconds=0.004)          # compute of known modeled length (a straggler)
+    distlab.trace.now()                           # this rank's clock (virtual under emulation)
+"""
+import contextlib
+import time
+from collections import defaultdict
+
+from . import _tracer
+from .emulate import describe
+
+
+# ---- inside a rank ------------------------------------------------------------------------------
+
+def now():
+    """Seconds on this rank's clock: the virtual clock under emulation, else the wall clock."""
+    rec = _tracer._active
+    return rec.now() if rec is not None else time.perf_counter()
+
+
+@contextlib.contextmanager
+def span(name):
+    """Name the compute inside this block in the trace (under emulation its ops are timed)."""
+    rec = _tracer._active
+    if rec is None:
+        yield
+        return
+    started = rec.span_enter(name)
+    try:
+        yield
+    finally:
+        rec.span_exit(name, started)
+
+
+def compute(seconds, name="compute"):
+    """Spend `seconds` of compute: modeled on the virtual clock, slept otherwise."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+        raise ValueError(f"compute(seconds=...) needs a non-negative number; got {seconds!r}.")
+    rec = _tracer._active
+    if rec is None:
+        time.sleep(seconds)
+    else:
+        rec.modeled_compute(seconds, name)
+
+
+def completed_at(work):
+    """When a traced Work handle's transfer completed (modeled under emulation); None if not
+    traced or not known yet (a measured transfer is known once waited for)."""
+    event = getattr(work, "_event", None)
+    return None if event is None else event.get("end")
+
+
+def emulated():
+    """The Cluster this rank runs on, or None when time is not emulated."""
+    rec = _tracer._active
+    return None if rec is None or rec.clock is None else rec.clock.cluster
+
+
+# ---- in the notebook: what came back ------------------------------------------------------------
+
+class Trace:
+    """The events of every rank of one run, in rank order."""
+
+    def __init__(self, per_rank, emulated=None):
+        self.world_size = len(per_rank)
+        self.emulated = emulated
+        self._ranks = per_rank          # [{"rank", "events", "spans", "end"}] in rank order
+
+    # -- selecting -----------------------------------------------------------------------------
+    def comm(self, rank=None, op=None):
+        """Communication events (of one rank, of one op), in the order they were issued."""
+        ranks = range(self.world_size) if rank is None else [rank]
+        return [dict(e, rank=r) for r in ranks for e in self._ranks[r]["events"]
+                if op is None or e["op"] == op]
+
+    def compute(self, rank=None):
+        ranks = range(self.world_size) if rank is None else [rank]
+        return [dict(s, rank=r) for r in ranks for s in self._ranks[r]["spans"]]
+
+    def sends(self, rank):
+        """[(peer, bytes), ...]: the point-to-point messages `rank` sent, in order."""
+        return [(e["peer"], e["bytes"]) for e in self._ranks[rank]["events"] if e["op"] == "send"]
+
+    def ops(self, rank=None):
+        """The names of the ops a rank issued, in order (e.g. ['all_reduce', 'all_reduce'])."""
+        return [e["op"] for e in self.comm(rank)]
+
+    def matrix(self):
+        """bytes[src][dst] sent by point-to-point calls (collectives are not split into messages)."""
+        m = [[0] * self.world_size for _ in range(self.world_size)]
+        for e in self.comm(op="send"):
+            m[e["rank"]][e["peer"]] += e["bytes"]
+        return m
+
+    # -- time ------------------------------------------------------------------------------------
+    def end(self, rank=None):
+        """When the rank (or the slowest rank) finished its function."""
+        if rank is not None:
+            return self._ranks[rank]["end"]
+        return max(r["end"] for r in self._ranks)
+
+    def totals(self, rank):
+        """Seconds of compute, of communication in flight, and of waiting; messages and bytes."""
+        events = self._ranks[rank]["events"]
+        return dict(
+            compute=sum(s["end"] - s["start"] for s in self._ranks[rank]["spans"]),
+            comm=_union([(e["start"], e["end"]) for e in events
+                         if e["start"] is not None and e["end"] is not None]),
+            waited=sum(e["waited"] for e in events),
+            calls=len(events),
+            sent=sum(e["bytes"] for e in events if e["op"] == "send"),
+            end=self._ranks[rank]["end"])
+
+    def summary(self):
+        """A per-rank table: compute, communication, waited, calls, bytes sent by messages."""
+        unit, scale = _unit(self.end())
+        lines = []
+        if self.emulated is not None:
+            lines.append(describe(self.emulated))
+        lines.append(f"rank  {'compute':>10} {'comm':>10} {'waited':>10} {'end':>10}  calls  "
+                     f"p2p bytes sent   ({unit})")
+        for r in range(self.world_size):
+            t = self.totals(r)
+            lines.append(f"{r:>4}  {t['compute'] * scale:>10.3f} {t['comm'] * scale:>10.3f} "
+                         f"{t['waited'] * scale:>10.3f} {t['end'] * scale:>10.3f}  "
+                         f"{t['calls']:>5}  {t['sent']:>15,}")
+        return "\n".join(lines)
+
+    def counts(self):
+        """{op: number of calls} over all ranks."""
+        out = defaultdict(int)
+        for e in self.comm():
+            out[e["op"]] += 1
+        return dict(out)
+
+    def __repr__(self):
+        kind = f"emulated on {self.emulated.name}" if self.emulated is not None else "measured"
+        return (f"<Trace of {self.world_size} ranks, {len(self.comm())} communication calls, "
+                f"{kind}>")
+
+
+def _union(intervals):
+    """Total length covered by possibly overlapping intervals."""
+    total, reach = 0.0, None
+    for a, b in sorted(intervals):
+        if reach is None or a > reach:
+            total += b - a
+            reach = b
+        elif b > reach:
+            total += b - reach
+            reach = b
+    return total
+
+
+def _unit(seconds):
+    if seconds >= 1:
+        return "s", 1.0
+    if seconds >= 1e-3:
+        return "ms", 1e3
+    return "µs", 1e6
