@@ -3,6 +3,8 @@ one sentence what differs (which rank, which element, expected vs got) or that i
 
 Each chapter's checkers live in `distlab.checks.chNN`; this module holds what they share.
 """
+import contextlib
+import functools
 import math
 import numbers
 
@@ -139,3 +141,59 @@ def check_on_ranks(fn, reference, world_sizes, args_for=lambda ws: (), name=None
 def sizes_phrase(sizes):
     sizes = list(sizes)
     return ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}" if len(sizes) > 1 else str(sizes[0])
+
+
+# ---- refusing the course's own answers ---------------------------------------------------------
+
+class UsedCourseCode(RuntimeError):
+    """The learner's function called the course's implementation instead of writing its own."""
+
+
+@contextlib.contextmanager
+def forbid(*objects, exercise="write it yourself"):
+    """Inside a rank: make the course's own implementations (functions, classes, methods) raise
+    UsedCourseCode while the learner's function runs, however they were imported.
+
+    A function is refused by swapping its code object, so every reference to it (a name imported
+    in the notebook, a module attribute, a bound method) refuses; a class by its __init__.
+    """
+    saved = []
+    for obj in objects:
+        name = getattr(obj, "__qualname__", repr(obj))
+        message = f"your function called the course's own {name}; the exercise is to {exercise}."
+        if isinstance(obj, type):
+            saved.append((obj, "__init__", obj.__dict__.get("__init__")))
+            obj.__init__ = _refusing_function(message)
+        else:
+            target = getattr(obj, "__func__", obj)
+            saved.append((target, "__code__", target.__code__))
+            target.__code__ = _refusing_code(message, target.__code__.co_freevars)
+    try:
+        yield
+    finally:
+        for obj, attr, value in reversed(saved):
+            if attr == "__init__" and value is None:
+                delattr(obj, "__init__")
+            else:
+                setattr(obj, attr, value)
+
+
+def _refusing_code(message, freevars):
+    """A code object that raises UsedCourseCode(message) whatever globals and closure it runs
+    with: it may only replace the code of a function with the same free variables."""
+    args = ", ".join(freevars)
+    touch = f"        ({args},)\n" if freevars else ""
+    source = (f"def outer({args}):\n"
+              f"    def refused(*args, **kwargs):\n"
+              f"{touch}"
+              f"        raise __import__('distlab.checks', fromlist=['UsedCourseCode'])"
+              f".UsedCourseCode({message!r})\n"
+              f"    return refused\n")
+    namespace = {}
+    exec(source, {}, namespace)
+    return namespace["outer"](*([None] * len(freevars))).__code__
+
+
+def _refusing_function(message):
+    code = _refusing_code(message, ())
+    return type(_refusing_function)(code, {})
