@@ -7,6 +7,7 @@ The launcher is in `distlab.launch`; each strategy of the course has its own mod
 """
 from .launch import (DEFAULT_TIMEOUT, RankFailed, Results, RunTimeout, choose_backend, device,
                      run)
+from . import emulate, trace
 from .progress import progress
 from .show import show_source
 
