@@ -97,7 +97,7 @@ def _shift(tensors, group):
     n, r = dist.get_world_size(group), dist.get_rank(group)
     right = dist.get_global_rank(group, (r + 1) % n) if group is not None else (r + 1) % n
     left = dist.get_global_rank(group, (r - 1) % n) if group is not None else (r - 1) % n
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), right, group) for t in tensors] + \
           [dist.P2POp(dist.irecv, b, left, group) for b in received]
     return received, dist.batch_isend_irecv(ops)
