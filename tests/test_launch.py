@@ -1,4 +1,5 @@
 """distlab.run with real processes: results, environment, output, failures, hangs, bad input."""
+import math
 import os
 import subprocess
 import sys
@@ -6,6 +7,7 @@ import textwrap
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,11 +30,26 @@ def all_reduce_rank(rank, world_size):
     return t.item()
 
 
+def finish_in_reverse(rank, world_size):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    if rank < world_size - 1:       # finish only after the rank above has finished, and later
+        dist.recv(torch.zeros(1), src=rank + 1)
+        time.sleep(0.1)
+    finished = time.monotonic()     # one clock for every process of the machine
+    if rank > 0:
+        dist.send(torch.zeros(1), dst=rank - 1)
+    print(f"sum = {t.item():g}")
+    return rank, t.item(), finished
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_results_in_rank_order(world_size, capsys):
-    results = distlab.run(all_reduce_rank, world_size)
+    results = distlab.run(finish_in_reverse, world_size)
     expected = sum(range(world_size))
-    assert results == [expected] * world_size
+    assert [(r, total) for r, total, _ in results] == [(r, expected) for r in range(world_size)]
+    finished = [t for _, _, t in results]
+    assert finished == sorted(finished, reverse=True)     # the last rank finished first
     assert results.backend == "gloo"
     out = capsys.readouterr().out
     assert out == "".join(f"[rank {r}] sum = {expected:g}\n" for r in range(world_size))
@@ -166,23 +183,61 @@ def test_the_rank_that_raised_first_is_reported_not_its_victims():
     assert info.value.rank == 2 and info.value.exc_type == "KeyError"
 
 
-def exit_silently(rank, world_size, folder, how):
+def exit_silently(rank, world_size, folder, how, then="sleep"):
     write_pid(folder, rank)
     if rank == 2:
+        time.sleep(0.3)    # the others are in their collective (or sleep) by now
+        (folder / "died_at").write_text(repr(time.time()))
         if how == "exit":
             os._exit(3)
+        if how == "segv":
+            import ctypes
+            ctypes.string_at(0)
         os.kill(os.getpid(), 9)
-    time.sleep(60)
+    if then == "sleep":
+        time.sleep(60)
+    else:
+        dist.all_reduce(torch.ones(1))   # the survivors see "Connection closed by peer" here
 
 
-@pytest.mark.parametrize("how, phrase", [("exit", "exited with code 3"),
-                                         ("kill", "was killed by SIGKILL")])
-def test_a_rank_that_dies_without_a_word_is_noticed_at_once(pid_dir, how, phrase):
+@pytest.mark.parametrize("how, then, phrase", [
+    ("exit", "sleep", "exited with code 3"),
+    ("kill", "sleep", "was killed by SIGKILL"),
+    ("exit", "collective", "exited with code 3"),
+    ("kill", "collective", "was killed by SIGKILL"),
+    ("segv", "collective", "was killed by SIGSEGV"),
+])
+def test_a_rank_that_dies_without_a_word_is_named_at_once(pid_dir, how, then, phrase):
+    # The survivors' "Connection closed by peer" must not be blamed: the dead rank is. The
+    # timeout is long: only noticing the death itself can raise RankFailed.
     folder, pids = pid_dir
-    # The timeout is long: only noticing the death itself can raise RankFailed.
-    with pytest.raises(RankFailed, match=f"rank 2 {phrase}"):
-        distlab.run(exit_silently, 3, folder, how, timeout=60)
+    with pytest.raises(RankFailed) as info:
+        distlab.run(exit_silently, 3, folder, how, then, timeout=60)
+    noticed = time.time() - float((folder / "died_at").read_text())
+    print(f"{how} while the others {then}: named {noticed:.2f} s after the death")
+    e = info.value
+    assert str(e).startswith(f"rank 2 {phrase} before its function returned")
+    assert e.rank == 2 and e.exitcode == {"exit": 3, "kill": -9, "segv": -11}[how]
+    assert not e.peer_lost
     assert wait_gone(pids()) == []
+
+
+def recv_too_small(rank, world_size):
+    if rank == 0:
+        dist.send(torch.ones(4), 1)
+    elif rank == 1:
+        dist.recv(torch.ones(3), 0)   # 16 bytes arrive for 12: gloo aborts the process
+
+
+def test_a_gloo_abort_on_a_size_mismatch_names_the_aborted_rank():
+    with pytest.raises(RankFailed) as info:
+        distlab.run(recv_too_small, 3, timeout=60)
+    lines = str(info.value).splitlines()
+    assert info.value.rank == 1
+    assert lines[0] == ("rank 1 was killed by SIGABRT before its function returned, without "
+                        "raising a Python exception.")
+    assert "Received data size doesn't match expected size" in lines[1]
+    assert lines[2].startswith("The ranks passed tensors of different sizes")
 
 
 def unpicklable_result(rank, world_size):
@@ -247,6 +302,129 @@ def test_bad_input_is_refused_with_a_sentence(fn, world_size, kwargs, error, phr
         pytest.skip("this machine has GPUs")
     with pytest.raises(error, match=phrase):
         distlab.run(fn, world_size, **kwargs)
+
+
+@pytest.mark.parametrize("world_size, kwargs, error, phrase", [
+    # odd values of every argument: inf, nan, numpy scalars, bools
+    (True, {}, TypeError, "whole number of ranks"),
+    (np.bool_(True), {}, TypeError, "whole number of ranks"),
+    (math.inf, {}, TypeError, "whole number of ranks"),
+    (math.nan, {}, TypeError, "whole number of ranks"),
+    (np.float64(2.0), {}, TypeError, "whole number of ranks"),
+    (np.int64(0), {}, ValueError, "world_size must be at least 1"),
+    (2, {"timeout": math.nan}, ValueError, "timeout must be a positive number"),
+    (2, {"timeout": -math.inf}, ValueError, "timeout must be a positive number"),
+    (2, {"timeout": 0}, ValueError, "timeout must be a positive number"),
+    (2, {"timeout": True}, ValueError, "timeout must be a positive number"),
+    (2, {"timeout": "30"}, ValueError, "timeout must be a positive number"),
+    (2, {"threads": True}, TypeError, "threads must be a positive whole number"),
+    (2, {"threads": math.inf}, TypeError, "threads must be a positive whole number"),
+    (2, {"threads": np.int64(0)}, ValueError, "threads must be a positive whole number"),
+    (2, {"backend": True}, ValueError, "backend must be one of"),
+    (2, {"backend": "cuda:nccl,cpu:mpi"}, ValueError, "backend must be one of"),
+    (2, {"init": 1}, TypeError, "init must be True or False"),
+    (2, {"init": "yes"}, TypeError, "init must be True or False"),
+    (2, {"trace": 1.0}, TypeError, "trace must be True or False"),
+    (2, {"env": {"OMP_NUM_THREADS": 1}}, TypeError, "env must map names to strings"),
+    (2, {"emulate": True}, ValueError, "emulate must be the name of a preset"),
+    (2, {"emulate": math.nan}, ValueError, "emulate must be the name of a preset"),
+])
+def test_odd_argument_values_are_refused_with_a_sentence(world_size, kwargs, error, phrase):
+    with pytest.raises(error, match=phrase):
+        distlab.run(all_reduce_rank, world_size, **kwargs)
+
+
+def report_settings(rank, world_size):
+    return world_size, torch.get_num_threads(), dist.is_initialized()
+
+
+def test_numpy_scalars_and_infinite_timeout_are_accepted():
+    # np.prod([1, 2]) is a numpy integer; timeout=math.inf means no limit (like None).
+    results = distlab.run(report_settings, np.prod([1, 2]), timeout=math.inf,
+                          threads=np.int32(1), init=np.True_, trace=np.False_)
+    assert results == [(2, 1, True)] * 2 and type(results[0][0]) is int
+    cores = len(os.sched_getaffinity(0))
+    assert distlab.run(report_settings, np.int8(1), timeout=np.float32(30)) == [(1, cores, True)]
+
+
+def test_the_composite_nccl_backend_is_accepted_by_argument_checking():
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs")
+    # accepted as a backend name, refused only for want of GPUs
+    with pytest.raises(ValueError, match="'cpu:gloo,cuda:nccl' needs one GPU per rank"):
+        distlab.run(all_reduce_rank, 2, backend="cpu:gloo,cuda:nccl")
+
+
+def test_results_travel_by_value_and_come_back_detached():
+    # As in a notebook: a class defined in __main__, which pickle (by reference) cannot send.
+    namespace = {"__name__": "__main__", "torch": torch}
+    exec(textwrap.dedent("""
+        class Out:
+            def __init__(self, rank, best):
+                self.rank, self.best = rank, best
+        def fn(rank, world_size):
+            y = (torch.arange(6.0).reshape(2, 3) * (rank + 1)).requires_grad_()
+            return Out(rank, (y * 2).max(dim=0))
+    """), namespace)
+    Out = namespace["Out"]
+    assert Out.__module__ == "__main__"
+    results = distlab.run(namespace["fn"], 2)
+    for rank, out in enumerate(results):
+        assert type(out) is Out and out.rank == rank
+        assert isinstance(out.best, torch.return_types.max)
+        assert not out.best.values.requires_grad and out.best.values.grad_fn is None
+        assert out.best.values.tolist() == [6.0 * (rank + 1), 8.0 * (rank + 1), 10.0 * (rank + 1)]
+        assert out.best.indices.tolist() == [1, 1, 1]
+
+
+def listening_sockets(pids):
+    """{pid: ["ip:port", ...]} of every listening TCP socket the processes hold (from /proc)."""
+    listening = {}
+    for table, ipv6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        if not os.path.exists(table):
+            continue
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":             # TCP_LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            words = [raw[i:i + 4][::-1] for i in range(0, len(raw), 4)]   # little-endian words
+            ip = ".".join(map(str, words[0])) if not ipv6 else \
+                __import__("ipaddress").IPv6Address(b"".join(words)).compressed
+            listening[fields[9]] = f"{ip}:{int(port, 16)}"
+    found = {}
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            inode = link[len("socket:["):-1] if link.startswith("socket:[") else None
+            if inode in listening:
+                found.setdefault(pid, []).append(listening[inode])
+    return found
+
+
+def sockets_during_a_run(rank, world_size, parent, init):
+    if not init:
+        dist.init_process_group("gloo")      # env://: rank 0 hosts the store (torchrun's way)
+    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(pids, torch.tensor([os.getpid()]))
+    found = listening_sockets([parent] + [int(p) for p in pids]) if rank == 0 else None
+    dist.barrier()                            # everyone alive until rank 0 has looked
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc")
+@pytest.mark.parametrize("init", [True, False])
+def test_every_listening_socket_of_a_run_is_on_loopback(init):
+    found = distlab.run(sockets_during_a_run, 3, os.getpid(), init, init=init)[0]
+    addresses = [a for sockets in found.values() for a in sockets]
+    assert len(found) >= 2, found            # the store's host and the ranks' gloo listeners
+    assert all(a.startswith(("127.0.0.1:", "::1:")) for a in addresses), found
+    if init:                                  # the parent hosts the store
+        assert os.getpid() in found, found
 
 
 def test_arguments_that_cannot_be_pickled_are_named():
@@ -319,7 +497,9 @@ def test_interrupting_a_script_reaps_every_rank(tmp_path):
     time.sleep(0.5)
     proc.send_signal(2)  # what Ctrl-C in a terminal or Kernel > Interrupt does
     _, err = proc.communicate(timeout=60)
-    assert "KeyboardInterrupt" in err
+    # One line says which ranks were stopped; no traceback through the launcher's event loop.
+    assert err.splitlines()[-1] == "KeyboardInterrupt: distlab.run interrupted: stopped ranks 0, 1 and 2."
+    assert "selectors.py" not in err and "_supervise.py" not in err, err
     assert wait_gone(pids) == []
 
 
@@ -346,6 +526,9 @@ def test_interrupting_a_jupyter_kernel_reaps_every_rank(tmp_path):
             reply = kc.get_shell_msg(timeout=60)
         assert reply["content"]["status"] == "error"
         assert reply["content"]["ename"] == "KeyboardInterrupt"
+        assert reply["content"]["evalue"] == "distlab.run interrupted: stopped ranks 0 and 1."
+        shown = "\n".join(reply["content"]["traceback"])
+        assert "selectors.py" not in shown and "_supervise.py" not in shown, shown
         assert wait_gone(pids) == []
         # The kernel is still usable: the next launch works.
         kc.execute_interactive("r = distlab.run(lambda rank, ws: rank, 2)", timeout=60)
@@ -356,10 +539,33 @@ def test_interrupting_a_jupyter_kernel_reaps_every_rank(tmp_path):
         km.shutdown_kernel(now=True)
 
 
+def lost_peer(rank):
+    return {"type": "RuntimeError", "time": 100.0 + rank, "exception": None,
+            "message": "[../gloo/transport/tcp/pair.cc] Connection closed by peer [127.0.0.1]:1",
+            "traceback": "Traceback ..."}
+
+
+def test_the_dead_rank_is_blamed_not_the_survivors_that_noticed():
+    # The parent hears of the death (sentinel) a little after the survivors time-stamp their
+    # "Connection closed by peer": the dead rank is still the one named.
+    from distlab._supervise import Launch
+    launch = Launch(4, "gloo", True, 10, None, {})
+    for rank in (0, 1, 3):
+        launch.ranks[rank].error, launch.ranks[rank].exitcode = lost_peer(rank), 0
+    launch.ranks[2].exitcode, launch.ranks[2].died_at = -9, 100.1
+    failure = launch._failure()
+    assert failure.rank == 2 and failure.exitcode == -9
+    assert str(failure).startswith("rank 2 was killed by SIGKILL before its function returned")
+    assert "(also stopped: ranks 0, 1 and 3, because rank 2 died" in str(failure)
+    # ... but a rank whose own code raised before the death is the cause.
+    launch.ranks[1].error = dict(lost_peer(1), type="ValueError", message="bad batch", time=99.0)
+    assert launch._failure().rank == 1
+
+
 def test_a_rank_left_behind_is_named_when_the_others_only_lost_a_peer():
     # The shape-mismatch crash: healthy ranks see "Connection closed by peer", the culprit is
     # silent. The report must point at the silent rank, not at the first messenger.
-    from distlab.launch import _Launch
+    from distlab._supervise import Launch as _Launch
     launch = _Launch(3, "gloo", True, 10, None, {})
     for rank in (0, 2):
         launch.ranks[rank].error = {"type": "RuntimeError", "time": rank, "exception": None,

@@ -17,6 +17,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from ._payload import dumps, to_cpu
+
 # Set while a rank runs: its message pipe to the parent and its device.
 _conn = None
 _device = None
@@ -50,12 +52,13 @@ def main(spec, payload, conn, out_w, err_w):
         GROUP_RANK="0", ROLE_RANK=str(_rank), ROLE_WORLD_SIZE=str(spec["world_size"]),
     )
     os.environ.update(spec.get("env", {}))
+    _listen_on_loopback_only()
     # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: read it again.
     dist.set_debug_level_from_env()
     # Ranks sharing a few cores each get their share: oversubscribed ranks run many times slower.
     torch.set_num_threads(spec["threads"])
     backend = spec["backend"]
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(_rank)
         _device = torch.device("cuda", _rank)
     else:
@@ -77,7 +80,7 @@ def main(spec, payload, conn, out_w, err_w):
             if recorder is not None:
                 conn.send(("trace", recorder.stop()))
         try:
-            blob = pickle.dumps(_to_cpu(result))
+            blob = dumps(to_cpu(result), result=True)   # by value: classes of the notebook come back too
         except Exception as e:
             raise TypeError(
                 f"rank {_rank} returned a {type(result).__name__} that cannot be sent back to the "
@@ -116,6 +119,32 @@ def _init_process_group(spec):
     return store
 
 
+class _LoopbackTCPStore(dist.TCPStore):
+    """dist.TCPStore, except that a store hosted at 127.0.0.1 listens on 127.0.0.1 only.
+
+    By default a TCPStore server listens on every interface of the machine: on a shared network
+    anyone could write into the unauthenticated store the ranks trust. With init=False the
+    learner's init_process_group (or rendezvous code) hosts it on rank 0: hand it a socket
+    bound to loopback instead."""
+
+    def __init__(self, host_name, port, world_size=None, is_master=False, *args, **kwargs):
+        if is_master and host_name in ("127.0.0.1", "localhost") and \
+                kwargs.get("master_listen_fd") is None and len(args) < 4:
+            import socket
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen(128)
+            kwargs["master_listen_fd"] = s.detach()   # the store owns (and closes) it
+        super().__init__(host_name, port, world_size, is_master, *args, **kwargs)
+
+
+def _listen_on_loopback_only():
+    # (`import torch.distributed.rendezvous as m` gives the function of that name, not the module)
+    rendezvous = sys.modules["torch.distributed.rendezvous"]
+    dist.TCPStore = rendezvous.TCPStore = _LoopbackTCPStore
+
+
 def _recorder(spec, store):
     """The trace recorder of this rank (with a virtual clock under emulation), or None."""
     if not spec.get("trace"):
@@ -127,17 +156,6 @@ def _recorder(spec, store):
         clock = Clock(spec["emulate"], dist.PrefixStore("distlab-emulate/", store), _rank,
                       spec["world_size"])
     return _tracer.Recorder(_rank, clock)
-
-
-def _to_cpu(obj):
-    """Tensors come back to the notebook on the CPU, whatever device the rank used."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_to_cpu(x) for x in obj)
-    if type(obj) is dict:
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    return obj
 
 
 def _describe(e):

@@ -21,7 +21,6 @@ groups being traced. An async collective therefore waits on the host (not on the
 until all its participants have launched it: code where a rank must receive something from a
 peer before that peer launches an async collective it already launched would deadlock here.
 """
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -195,5 +194,19 @@ def describe(cluster):
     return f"⏱ emulated: {cluster}. Times are modeled, not measured on this machine."
 
 
-def is_finite_positive(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+_announced = None
+
+
+def announce(cluster):
+    """Print describe(cluster) once per notebook cell and cluster (every time outside a
+    notebook): a cell that runs a sweep of emulated runs says it once, not once per run."""
+    global _announced
+    try:
+        from IPython import get_ipython
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    cell = (id(shell), shell.execution_count) if shell is not None else None
+    if cell is None or _announced != (cell, cluster):
+        print(describe(cluster))
+        _announced = (cell, cluster)
