@@ -143,20 +143,22 @@ class RingAttention(torch.autograd.Function):
                   torch.zeros_like(v))
         for step in range(n):
             bk, bv, bpos, dk, dv = blocks
+            # K, V and positions do not change: they leave for the next rank right away, and
+            # travel while this rank computes; their gradients follow once computed.
+            ahead = _shift((bk, bv, bpos), group) if step < n - 1 else None
             p = torch.exp(_scores(q, bk, q_pos, bpos, causal, scale) - safe_lse)
             dv = dv + p.transpose(-2, -1) @ grad_out
             ds = p * (grad_out @ bv.transpose(-2, -1) - delta)
             dq = dq + (ds @ bk) * scale
             dk = dk + (ds.transpose(-2, -1) @ q) * scale
             # After N hops a block's gradients are back with the rank that owns it.
-            if step < n - 1:
-                blocks, handles = _shift((bk, bv, bpos, dk, dv), group)
-            elif n > 1:
+            if n > 1:
                 (dk, dv), handles = _shift((dk, dv), group)
-                blocks = (None, None, None, dk, dv)
-            else:
-                handles, blocks = [], (None, None, None, dk, dv)
-            _wait(handles)
+                _wait(handles)
+            if ahead is not None:
+                (bk, bv, bpos), handles = ahead
+                _wait(handles)
+            blocks = (bk, bv, bpos, dk, dv)
         return dq, blocks[3], blocks[4], None, None, None, None
 
 
