@@ -1,18 +1,29 @@
-"""Our ring all-reduce (send/recv from Python) against torch's dist.all_reduce, 1 KB to 64 MB.
+"""Our ring all-reduce (send/recv from Python) against torch's dist.all_reduce, 1 KB to 64 MB,
+then the same ring on an emulated link, fitted.
 
     python bench/collectives.py [--world-size 4] [--max-mb 64] [--repeats 5]
+                                [--preset a100-ethernet] [--emulated-only]
 
-Prints, per message size, the median time per call of each (the slowest rank's, each call
+Measured: per message size, the median time per call of each (the slowest rank's, each call
 starting after a barrier) and the ratio ours / torch's, then the α-β link fitted to each.
 On a laptop the ranks share the CPU cores and the "network" is loopback, so these numbers are
 about this machine, not about a cluster: see chapter 03.
+
+Emulated: our ring on a modeled cluster (distlab.run(..., emulate=preset)), timed on the ranks'
+virtual clocks, and the α-β link `cost.fit` finds from those times against the preset's own.
+The last line reads `emulated link fit: alpha error X%, bandwidth error Y%`.
 """
 import argparse
 
+import torch
 import torch.distributed as dist
 
 import distlab
-from distlab import collectives, cost
+from distlab import collectives, cost, emulate
+
+# 4 KB to 16 MB: on the default preset (α = 20 µs, 12.5 GB/s, N·α·B = 1 MB at 4 ranks) both the
+# latency floor and the bandwidth slope.
+EMULATED_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 
 def sizes_up_to(max_bytes):
@@ -33,6 +44,38 @@ def bench_rank(rank, world_size, sizes, repeats):
     return out
 
 
+def emulated_rank(rank, world_size, sizes):
+    """Modeled seconds of our ring all-reduce per size, on this rank's virtual clock."""
+    out = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        dist.barrier()
+        began = distlab.trace.now()
+        collectives.ring_all_reduce(x)
+        out.append(distlab.trace.now() - began)
+    return out
+
+
+def emulated_fit(world_size, preset):
+    """Print the emulated times beside the model's, and the fit's errors (the last line)."""
+    cluster = emulate.resolve(preset)
+    link = cluster.link_between(range(world_size))
+    results = distlab.run(emulated_rank, world_size, EMULATED_SIZES, emulate=cluster, timeout=300)
+    seconds = [max(r[i] for r in results) for i in range(len(EMULATED_SIZES))]
+    print(f"\nemulated: our ring all-reduce on {world_size} ranks, link {link}")
+    print(f"{'size':>8} | {'emulated (µs)':>13} | {'model (µs)':>10}")
+    print("-" * 38)
+    for size, t in zip(EMULATED_SIZES, seconds):
+        model = cost.predict("ring_all_reduce", size, world_size, link)
+        print(f"{human(size):>8} | {t * 1e6:13.1f} | {model * 1e6:10.1f}")
+    fitted = cost.fit([("ring_all_reduce", s, world_size, t)
+                       for s, t in zip(EMULATED_SIZES, seconds)], "fitted")
+    print(f"fitted α-β model, {fitted} (preset: {link})")
+    alpha_error = abs(fitted.alpha - link.alpha) / link.alpha
+    bandwidth_error = abs(fitted.bandwidth - link.bandwidth) / link.bandwidth
+    print(f"emulated link fit: alpha error {alpha_error:.1%}, bandwidth error {bandwidth_error:.1%}")
+
+
 def human(nbytes):
     for unit in ("B", "KB", "MB", "GB"):
         if nbytes < 1024 or unit == "GB":
@@ -45,7 +88,16 @@ def main():
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--max-mb", type=float, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--preset", default="a100-ethernet", choices=sorted(emulate.PRESETS))
+    parser.add_argument("--emulated-only", action="store_true",
+                        help="skip the (slow, noisy) measurement on this machine")
     args = parser.parse_args()
+    if not args.emulated_only:
+        measured(args)
+    emulated_fit(args.world_size, args.preset)
+
+
+def measured(args):
     sizes = sizes_up_to(int(args.max_mb * (1 << 20)))
     results = distlab.run(bench_rank, args.world_size, sizes, args.repeats, timeout=900)
     times = results[0]

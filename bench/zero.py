@@ -3,7 +3,9 @@
 For 2 and 4 ranks, on the same MLP and data:
 - bytes of weights + gradients + Adam states each rank holds after a step (measured on the real
   tensors), plain DDP vs our ZeRO-3, and their ratio (the model says 1/N);
-- median step time of our ZeRO-3 vs torch's FSDP2 (fully_shard per Linear), and their ratio.
+- median step time of our ZeRO-3 vs torch's FSDP2 (fully_shard per Linear), and their ratio;
+- last, ZeRO-3 with and without prefetch on the emulated a100-ethernet preset (2 ranks), beside
+  the cost model (memory.zero3_step_seconds): the step-time ratio off/on.
 
     python bench/zero.py [--steps 20]
 """
@@ -82,6 +84,38 @@ def fsdp2(rank, world_size, steps):
     return timed_steps(step, batches(world_size, rank, steps))
 
 
+PF_D, PF_LAYERS, PF_TOKENS, PF_PRESET = 256, 4, 4096, "a100-ethernet"
+
+
+def zero3_emulated(rank, world_size, prefetch):
+    model = models.make_mlp((PF_D,) * (PF_LAYERS + 1), seed=0)
+    x, y = models.regression_data(n=PF_TOKENS * world_size, in_dim=PF_D, out_dim=PF_D, seed=0)
+    zero = ZeRO(model, 3, optimizer="adam", lr=1e-3, prefetch=prefetch)
+    start = distlab.trace.now()
+    zero.zero_grad()
+    F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+    zero.step()
+    return distlab.trace.now() - start, zero.full_parameters()
+
+
+def prefetch_ratio():
+    """(emulated off/on, model off/on, results bit-identical) for one ZeRO-3 step on 2 ranks."""
+    from distlab import cost, memory
+    from distlab.emulate import PRESETS
+    runs = {p: distlab.run(zero3_emulated, 2, p, emulate=PF_PRESET, timeout=300)
+            for p in (False, True)}
+    same = all(torch.equal(u, v) for r in range(2)
+               for u, v in zip(runs[False][r][1], runs[True][r][1]))
+    cluster = PRESETS[PF_PRESET]
+    link, peak = cluster.link_between([0, 1]), cluster.device.peak(torch.float32)
+    g = sum(cost.predict("ring_all_gather", n * 4, 2, link) for n in (PF_D * PF_D, PF_D))
+    r = sum(cost.predict("ring_reduce_scatter", n * 4, 2, link) for n in (PF_D * PF_D, PF_D))
+    f = 2 * PF_TOKENS * PF_D * PF_D / peak
+    model = [memory.zero3_step_seconds(g, f, 2 * f, r, PF_LAYERS, p) for p in (False, True)]
+    emulated = [max(s for s, _ in runs[p]) for p in (False, True)]
+    return emulated[0] / emulated[1], model[0] / model[1], same
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -98,6 +132,9 @@ def main():
         ours_s, theirs_s = max(s for _, s in ours), max(theirs)  # a step ends with its slowest rank
         print(f"{ws:>5} {ddp:>15,} {ours_bytes:>18,} {ours_bytes / ddp:>7.3f} "
               f"{ours_s * 1e3:>10.1f}ms {theirs_s * 1e3:>9.1f}ms {ours_s / theirs_s:>11.2f}")
+    emulated, model, same = prefetch_ratio()
+    print(f"ZeRO-3 prefetch off/on (emulated {PF_PRESET}, 2 ranks): measured {emulated:.2f}, "
+          f"model {model:.2f}; parameters bit-identical: {same}")
 
 
 if __name__ == "__main__":

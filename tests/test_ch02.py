@@ -198,6 +198,39 @@ def test_a_crashing_all_gather_is_reported_in_one_sentence():
         ch02.check_all_gather_uneven(plain_all_gather)
 
 
+def test_calling_the_checkers_own_answer_key_is_refused():
+    def ask_the_checker(inputs):
+        return ch02.real("reduce_scatter", inputs)
+
+    with pytest.raises(CheckFailed, match=r"your function called the course's own real; the "
+                                          r"exercise is to predict what reduce_scatter gives"):
+        ch02.check_predict_reduce_scatter(ask_the_checker)
+
+    def gather_via_checker(tensor):
+        ch02._real_all_to_all(dist.get_rank(), dist.get_world_size(), [tensor])
+        return [tensor]
+
+    with pytest.raises(CheckFailed, match=r"own _real_all_to_all; the exercise is to write the "
+                                          r"uneven all-gather yourself"):
+        ch02.check_all_gather_uneven(gather_via_checker)
+
+
+def test_differently_written_answers_pass(capsys):
+    def predict_by_loops(inputs):            # element by element, no chunk()
+        ws, per = len(inputs), len(inputs[0]) // len(inputs)
+        return [torch.tensor([sum(float(t[r * per + i]) for t in inputs) for i in range(per)])
+                for r in range(ws)]
+
+    def gather_objects(tensor):              # the pickling route the chapter mentions
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, tensor)
+        return out
+
+    ch02.check_predict_reduce_scatter(predict_by_loops)
+    ch02.check_all_gather_uneven(gather_objects)
+    assert capsys.readouterr().out.count("✅") == 2
+
+
 def test_stubs_give_one_line_not_implemented():
     def stub(*args):
         raise NotImplementedError("exercise: replace this line with your code")

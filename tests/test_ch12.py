@@ -126,7 +126,7 @@ def test_ring_hop_calling_the_course_is_refused():
 
 def attention_with_own_scores(q, k, v, positions):
     """Ring without block_attention or merge: accumulate exp-scores and their sums directly."""
-    rank, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     q_pos = positions.to(torch.float64)
     num, den, block = 0, 0, [k, v, q_pos]
     shift = 50.0                       # scores here are small: a fixed shift keeps exp finite

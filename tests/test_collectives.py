@@ -1,7 +1,7 @@
 """Our collectives, built from send/recv, equal torch.distributed's own on real ranks.
 
 Every rank computes both ours and torch's on the same inputs and returns both; the parent
-compares. World sizes 1 to 5, lengths 1, 7, 64, 1000 (1 and 7 are shorter than or not divisible
+compares. World sizes 1 to 6, lengths 1, 7, 64, 1000 (1 and 7 are shorter than or not divisible
 by most world sizes, so chunks are uneven or empty), sum and mean (and max/min for the ring).
 """
 import pytest
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import distlab
 from distlab import collectives as C
 
-WORLD_SIZES = [1, 2, 3, 4, 5]
+WORLD_SIZES = [1, 2, 3, 4, 5, 6]
 LENGTHS = [1, 7, 64, 1000]
 TORCH_OP = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.AVG,
             "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -91,7 +91,7 @@ def naive_pairs(rank, world_size):
     return pairs
 
 
-@pytest.mark.parametrize("world_size", [1, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 3, 4, 6])
 def test_naive_all_reduce_matches_torch(world_size):
     assert_pairs_equal(distlab.run(naive_pairs, world_size))
 
@@ -193,6 +193,67 @@ def test_all_to_all_matches_torch(world_size):
     assert_pairs_equal(distlab.run(all_to_all_pairs, world_size), exact=True)
 
 
+# ---- any layout: strided views, scalars, empty tensors -------------------------------------------
+
+def layouts(rank):
+    """{case: a fresh tensor in that layout}: the same numbers on every call for a given rank.
+
+    Factories, because a clone of a strided view is contiguous: each collective must get the
+    view itself. Every rank can build every other rank's inputs, so the expected results are
+    computed locally, without any collective.
+    """
+    return {
+        "3-d": lambda: data(rank, 60).reshape(3, 4, 5),
+        "transposed": lambda: data(rank, 60).reshape(3, 4, 5).transpose(0, 2),
+        "matrix column": lambda: data(rank, 21).reshape(7, 3)[:, 1],
+        "every other element": lambda: data(rank, 15)[::2],
+        "scalar": lambda: torch.tensor(float(rank + 1)),
+        "empty": lambda: torch.zeros(0),
+        "empty 2-d": lambda: torch.zeros(3, 0),
+    }
+
+
+def odd_layout_pairs(rank, world_size):
+    pairs, root = [], world_size - 1
+    everyone = [layouts(r) for r in range(world_size)]
+    for case, make in layouts(rank).items():
+        inputs = [lay[case]() for lay in everyone]
+        total = torch.stack(inputs).sum(0) if inputs[0].numel() else inputs[0].clone()
+        for name, run, expected in [
+                ("ring_all_reduce", lambda t: C.ring_all_reduce(t), total),
+                ("ring_all_reduce max", lambda t: C.ring_all_reduce(t, "max"),
+                 torch.stack(inputs).amax(0) if total.numel() else total),
+                ("naive_all_reduce", lambda t: C.naive_all_reduce(t, "mean", root=root),
+                 total / world_size),
+                ("tree_broadcast", lambda t: C.tree_broadcast(t, root), inputs[root])]:
+            x = make()
+            if case == "matrix column":      # the view's neighbours in memory stay untouched
+                parent = x._base.view(7, 3)
+                others = parent[:, [0, 2]].clone()
+            assert run(x) is x, f"{name} on {case}: the result must be the input, in place"
+            pairs.append(((case, name), x.clone(), expected.contiguous()))
+            if case == "matrix column":
+                pairs.append(((case, name, "other columns"), parent[:, [0, 2]], others))
+        x = make()
+        scattered = C.ring_reduce_scatter(x)
+        pairs.append(((case, "ring_reduce_scatter"), scattered,
+                      total.reshape(-1).tensor_split(world_size)[rank]))
+        pairs.append(((case, "reduce_scatter keeps its input"), x, make()))
+        gathered = C.ring_all_gather(make())
+        pairs += [((case, "ring_all_gather", i), g, e) for i, (g, e) in enumerate(zip(gathered, inputs))]
+        # all_to_all: piece j of rank i is rank i's tensor plus j (add_ keeps the layout).
+        outs = [make() for _ in range(world_size)]
+        C.all_to_all(outs, [make().add_(j) for j in range(world_size)])
+        pairs += [((case, "all_to_all from", i), o, everyone[i][case]() + rank)
+                  for i, o in enumerate(outs)]
+    return pairs
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 5])
+def test_every_collective_takes_any_layout(world_size):
+    assert_pairs_equal(distlab.run(odd_layout_pairs, world_size))
+
+
 # ---- groups, and refusing what cannot work ------------------------------------------------------
 
 def subgroup_pairs(rank, world_size):
@@ -227,25 +288,41 @@ def test_collectives_speak_in_ranks_of_the_group_they_are_given():
 
 
 def bad_calls(rank, world_size):
+    import numpy as np
     messages = []
     for call in (lambda: C.ring_all_reduce(torch.arange(4), "mean"),
                  lambda: C.ring_all_reduce(torch.ones(4), "median"),
                  lambda: C.tree_broadcast(torch.ones(4), src=world_size),
-                 lambda: C.all_to_all([torch.ones(1)], [torch.ones(1)] * world_size)):
+                 lambda: C.all_to_all([torch.ones(1)], [torch.ones(1)] * world_size),
+                 # A root outside the group: torch's send to it kills the process (SIGSEGV).
+                 lambda: C.naive_all_reduce(torch.ones(4), root=5),
+                 lambda: C.naive_all_reduce(torch.ones(4), root=-1),
+                 lambda: C.naive_all_reduce(torch.ones(4), root=1.0),
+                 lambda: C.tree_broadcast(torch.ones(4), src="0"),
+                 lambda: C.tree_broadcast(torch.ones(4), src=True)):
         try:
             call()
             messages.append(None)
         except (TypeError, ValueError) as e:
             messages.append(str(e))
+    # A numpy integer is a rank like any other.
+    messages.append(C.naive_all_reduce(torch.ones(2), root=np.int64(world_size - 1)).tolist())
     return messages
 
 
 def test_bad_calls_get_one_sentence_before_any_message_is_sent():
-    messages = distlab.run(bad_calls, 2)[0]
+    messages = distlab.run(bad_calls, 3)[0]
     assert "floating-point" in messages[0]
     assert "median" in messages[1]
-    assert "src must be a rank" in messages[2]
+    assert messages[2] == "src must be a rank of the group, 0 to 2; got 3."
     assert "one input and one output tensor per rank" in messages[3]
+    assert messages[4:9] == [
+        "root must be a rank of the group, 0 to 2; got 5.",
+        "root must be a rank of the group, 0 to 2; got -1.",
+        "root must be a rank of the group, 0 to 2; got 1.0.",
+        "src must be a rank of the group, 0 to 2; got '0'.",
+        "src must be a rank of the group, 0 to 2; got True."]
+    assert messages[9] == [3.0, 3.0]
 
 
 # ---- the schedule the picture shows is the one the code runs ----------------------------------
@@ -283,54 +360,3 @@ def test_chunk_bounds_cut_like_tensor_split(length, n):
     x = torch.arange(length)
     assert [x[a:b].tolist() for a, b in C.chunk_bounds(length, n)] == \
         [c.tolist() for c in torch.tensor_split(x, n)]
-
-
-# ---- the workbook's checkers catch wrong answers ------------------------------------------------
-
-def reduce_scatter_only(tensor):
-    rank, n = dist.get_rank(), dist.get_world_size()
-    mine = C.ring_reduce_scatter(tensor)
-    start, stop = C.chunk_bounds(tensor.numel(), n)[rank]
-    tensor[start:stop] = mine            # the other chunks keep this rank's own values
-    return tensor
-
-
-def uses_builtin(tensor):
-    dist.all_reduce(tensor)
-    return tensor
-
-
-def root_sends_to_everyone(tensor, src):
-    if dist.get_rank() == src:
-        for r in range(dist.get_world_size()):
-            if r != src:
-                dist.send(tensor, r)
-    else:
-        dist.recv(tensor, src)
-    return tensor
-
-
-def tree_from_rank_0_only(tensor, src):
-    return C.tree_broadcast(tensor, 0)
-
-
-@pytest.mark.parametrize("check, fn, message", [
-    ("check_ring_all_reduce", reduce_scatter_only,
-     r"reduce_scatter_only with world_size=2, length \d+: on rank \d, element \[\d+\]: expected "),
-    ("check_ring_all_reduce", uses_builtin, r"called dist\.all_reduce; the exercise is to build"),
-    ("check_tree_broadcast", tree_from_rank_0_only,
-     r"with world_size=2, src=1, length 1: on rank \d, element \[0\]: expected"),
-    ("check_tree_broadcast", root_sends_to_everyone,
-     r"world_size=5, src=0: the source sent 4 messages, but a binomial tree needs only 3"),
-])
-def test_checkers_say_what_is_wrong(check, fn, message):
-    from distlab.checks import CheckFailed, ch03
-    with pytest.raises(CheckFailed, match=message):
-        getattr(ch03, check)(fn)
-
-
-def test_checkers_pass_our_own_collectives(capsys):
-    from distlab.checks import ch03
-    ch03.check_ring_all_reduce(C.ring_all_reduce)
-    ch03.check_tree_broadcast(C.tree_broadcast)
-    assert capsys.readouterr().out.count("✅") == 2

@@ -1,7 +1,6 @@
 """Ring attention and all-gather-K/V attention equal dense attention, forward and backward."""
 import pytest
 import torch
-import torch.distributed as dist
 
 import distlab
 from distlab import context_parallel as cp

@@ -17,7 +17,7 @@ from distlab.data_parallel import (BucketedDDP, average_gradients, broadcast_par
                                    max_replica_difference, shard_batch)
 
 STEPS = 3
-GLOBAL = 24                      # divides by 2, 3 and 4
+GLOBAL = 60                      # divides by 1 to 6
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
 
@@ -120,13 +120,13 @@ def assert_equal_to_reference(results, expected):
             assert spread == 0.0, f"replicas differ after {where}"
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6])
 def test_naive_data_parallel_equals_one_process(world_size):
     results = distlab.run(train_on_rank, world_size, "mlp", "naive", timeout=120)
     assert_equal_to_reference(results, reference("mlp"))
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6])
 def test_bucketed_ddp_equals_one_process(world_size):
     # 0.0002 MiB puts one or two tensors in each bucket; overlap off at one world size.
     results = distlab.run(train_on_rank, world_size, "mlp", "bucketed", cap=0.0002,
@@ -168,6 +168,72 @@ def test_bucket_size_sets_the_number_of_buckets():
     assert sizes[100.0] == [names]                          # everything in one bucket
     assert 1 < len(sizes[0.004]) < len(names)
     assert sum(sizes[0.004], []) == names                   # reverse order, nothing lost
+
+
+class _MixedFrozenTied(nn.Module):
+    """float64 layers, then a float32 one; a frozen layer; a weight shared by two layers."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.a = nn.Linear(8, 8).double()
+            self.frozen = nn.Linear(8, 8).double().requires_grad_(False)
+            self.b = nn.Linear(8, 8).double()
+            self.b.weight = self.a.weight        # tied: listed once, as a.weight
+            self.out = nn.Linear(8, 3)           # float32
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.tanh(self.frozen(torch.tanh(self.a(x))))))
+        return self.out(h.float())
+
+
+MIXED_NAMES = ["out.bias", "out.weight", "b.bias", "a.bias", "a.weight"]   # backward's order
+
+
+def _mixed_step_records(model, x, y, wrapped=None):
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    out = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        F.mse_loss((wrapped or model)(x), y).backward()
+        out.append(({n: None if p.grad is None else p.grad.clone()
+                     for n, p in model.named_parameters()},
+                    {n: p.detach().clone() for n, p in model.named_parameters()}))
+        opt.step()
+    return out
+
+
+def _mixed_on_rank(rank, world_size, cap):
+    # Every rank gets the same shard, so its forward is bit for bit the one-process forward
+    # and only the all-reduce can change a gradient: float64 gradients must keep float64 digits.
+    x, y = models.regression_data(n=10, in_dim=8, out_dim=3, seed=4)
+    model = _MixedFrozenTied()
+    ddp = BucketedDDP(model, bucket_cap_mb=cap)
+    layout = [(b.names, b.buffer.dtype, [p.dtype for p in b.params]) for b in ddp.buckets]
+    return layout, _mixed_step_records(model, x.double(), y.float(), ddp)
+
+
+@pytest.mark.parametrize("cap, buckets", [
+    (100.0, [MIXED_NAMES[:2], MIXED_NAMES[2:]]),      # one bucket per dtype
+    (1e-9, [[n] for n in MIXED_NAMES])])               # one tensor per bucket
+def test_bucketed_ddp_buckets_by_dtype_skips_frozen_and_sends_tied_weights_once(cap, buckets):
+    x, y = models.regression_data(n=10, in_dim=8, out_dim=3, seed=4)
+    expected = _mixed_step_records(_MixedFrozenTied(), x.double(), y.float())
+    for rank, (layout, steps) in enumerate(distlab.run(_mixed_on_rank, 3, cap, timeout=120)):
+        assert [names for names, _, _ in layout] == buckets, f"rank {rank}"
+        for names, buffer_dtype, dtypes in layout:
+            assert set(dtypes) == {buffer_dtype}, f"rank {rank}: bucket {names} mixes dtypes"
+        for s, ((grads, params), (e_grads, e_params)) in enumerate(zip(steps, expected)):
+            where = f"rank {rank}, step {s}"
+            assert grads["frozen.weight"] is None and grads["frozen.bias"] is None, where
+            for name, e in e_grads.items():
+                if e is None:
+                    continue
+                tol = TIGHT if e.dtype == torch.float64 else dict(rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(grads[name], e, **tol, msg=f"{name} grad, {where}")
+                torch.testing.assert_close(params[name], e_params[name], **tol,
+                                           msg=f"{name}, {where}")
 
 
 class _Branchy(nn.Module):

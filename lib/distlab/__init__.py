@@ -7,7 +7,7 @@ The launcher is in `distlab.launch`; each strategy of the course has its own mod
 """
 from .launch import (DEFAULT_TIMEOUT, RankFailed, Results, RunTimeout, choose_backend, device,
                      run)
-from . import emulate, trace
+from . import emulate, trace  # noqa: F401  (distlab.trace.now() etc. inside ranks)
 from .progress import progress
 from .show import show_source
 

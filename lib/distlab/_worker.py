@@ -65,12 +65,10 @@ def main(spec, payload, conn, out_w, err_w):
         _device = torch.device("cpu")
     linecache.cache.update(spec.get("sources", {}))
 
-    initialised_here = False
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
         if spec["init"]:
             store = _init_process_group(spec)
-            initialised_here = True
         recorder = _recorder(spec, store if spec["init"] else None)
         if recorder is not None:
             recorder.start()

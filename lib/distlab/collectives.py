@@ -16,6 +16,8 @@ The ring all-reduce is a ring reduce-scatter followed by a ring all-gather. In e
 2(N-1) steps a rank sends one chunk (1/N of the tensor) to its right neighbour and receives one
 from its left, so every rank sends 2(N-1)/N of the tensor in total, however large N is.
 """
+import operator
+
 import torch
 import torch.distributed as dist
 
@@ -66,6 +68,33 @@ def _rank_and_size(group):
     if rank < 0:
         raise ValueError("this rank is not a member of the process group it was given.")
     return rank, dist.get_world_size(group)
+
+
+def _check_rank(name, value, n):
+    """A root/src argument must name a rank of the group: torch would crash sending elsewhere."""
+    try:
+        rank = operator.index(value)      # int and numpy integers, but not 1.0 or "0"
+    except TypeError:
+        rank = None
+    if rank is None or isinstance(value, bool) or not 0 <= rank < n:
+        raise ValueError(f"{name} must be a rank of the group, 0 to {n - 1}; got {value!r}.")
+    return rank
+
+
+def _contiguous(tensor):
+    """`tensor` itself if its elements are laid out in order, else a contiguous copy of it.
+
+    Messages travel from one flat block of memory, and the chunks of a flat view of a strided
+    tensor (a matrix column, a transposed matrix) are not such blocks. A collective works on the
+    copy and `_write_back` puts the result into the caller's tensor.
+    """
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _write_back(buf, tensor):
+    if buf is not tensor:
+        tensor.copy_(buf)
+    return tensor
 
 
 def _op_name(op):
@@ -137,16 +166,15 @@ def ring_all_reduce(tensor, op="sum", group=None):
     op = _op_name(op)
     _check_mean(tensor, op)
     rank, n = _rank_and_size(group)
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.flatten()
+    buf = _contiguous(tensor)
+    flat = buf.view(-1)
     bounds = chunk_bounds(flat.numel(), n)
     _ring_reduce_scatter_(flat, bounds, op, group)
     if op == "mean":
         start, stop = bounds[rank]
         flat[start:stop] /= n        # once, on the chunk this rank owns, before it is shared
     _ring_all_gather_(flat, bounds, group)
-    if flat.data_ptr() != tensor.data_ptr():
-        tensor.copy_(flat.view_as(tensor))
-    return tensor
+    return _write_back(buf, tensor)
 
 
 def ring_reduce_scatter(tensor, op="sum", group=None):
@@ -157,7 +185,7 @@ def ring_reduce_scatter(tensor, op="sum", group=None):
     op = _op_name(op)
     _check_mean(tensor, op)
     rank, n = _rank_and_size(group)
-    flat = tensor.flatten().clone()
+    flat = tensor.reshape(-1).clone(memory_format=torch.contiguous_format)
     bounds = chunk_bounds(flat.numel(), n)
     _ring_reduce_scatter_(flat, bounds, op, group)
     start, stop = bounds[rank]
@@ -186,20 +214,17 @@ def tree_broadcast(tensor, src=0, group=None):
     would need N - 1.
     """
     rank, n = _rank_and_size(group)
-    if not 0 <= src < n:
-        raise ValueError(f"src must be a rank of the group, 0 to {n - 1}; got {src}.")
-    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+    src = _check_rank("src", src, n)
+    buf = _contiguous(tensor)
     v = (rank - src) % n
     mask = 1
-    while mask < n:
+    while mask < n and buf.numel() > 0:   # an empty tensor needs no message
         if v < mask and v + mask < n:
             dist.send(buf, group=group, group_dst=(v + mask + src) % n)
         elif mask <= v < 2 * mask:
             dist.recv(buf, group=group, group_src=(v - mask + src) % n)
         mask *= 2
-    if buf is not tensor:
-        tensor.copy_(buf)
-    return tensor
+    return _write_back(buf, tensor)
 
 
 def all_to_all(output_list, input_list, group=None):
@@ -219,8 +244,7 @@ def all_to_all(output_list, input_list, group=None):
         out = output_list[src]
         buf = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         _exchange(input_list[dst].contiguous(), dst, buf, src, group)
-        if buf is not out:
-            out.copy_(buf)
+        _write_back(buf, out)
     return output_list
 
 
@@ -233,7 +257,10 @@ def naive_all_reduce(tensor, op="sum", group=None, root=0):
     op = _op_name(op)
     _check_mean(tensor, op)
     rank, n = _rank_and_size(group)
-    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+    root = _check_rank("root", root, n)
+    buf = _contiguous(tensor)
+    if buf.numel() == 0:                 # nothing to reduce, and no message to send
+        return tensor
     if rank == root:
         incoming = torch.empty_like(buf)
         for other in range(n):
@@ -248,6 +275,4 @@ def naive_all_reduce(tensor, op="sum", group=None, root=0):
     else:
         dist.send(buf, group=group, group_dst=root)
         dist.recv(buf, group=group, group_src=root)
-    if buf is not tensor:
-        tensor.copy_(buf)
-    return tensor
+    return _write_back(buf, tensor)

@@ -171,3 +171,65 @@ def measure(collective_fn, sizes, repeats=5, group=None, dtype=torch.float32, de
 def _sync(tensor):
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
+
+
+# ---- the step time of data parallelism (chapter 05) -----------------------------------------------
+
+def ddp_step_time(tensor_numels, batch, world_size, peak_flops, memory_bandwidth, link,
+                  bucket_cap_bytes=25 * 2 ** 20, overlap=True, bytes_per_element=4):
+    """Modeled seconds of one data-parallel step of an MLP: forward, backward and the bucketed
+    gradient all-reduce (the optimizer step is left out).
+
+    tensor_numels: the parameter tensors' sizes in forward order (weight, bias, weight, ...); a
+    tensor of n elements costs 2·batch·n FLOPs forward and 4·batch·n backward (a Linear layer's
+    matmuls; biases are negligible). Backward produces the gradients in reverse order; they fill
+    buckets of at least `bucket_cap_bytes`, as BucketedDDP and torch's DDP do. Each bucket is
+    copied into one buffer and divided by N (two passes over its bytes, read and written, at
+    `memory_bandwidth`, on the compute stream), then ring-all-reduced over `link`, one bucket at a
+    time on the link. With `overlap`, a bucket leaves as soon as its last gradient is ready and
+    backward goes on; without, every bucket waits for the end of backward. At the end the
+    averaged values are copied back (one pass).
+
+    Returns {"forward", "backward", "comm", "exposed", "step"}: seconds of forward and backward
+    compute, of all-reduce in flight, of all-reduce NOT hidden behind compute, and the step.
+    """
+    numels = list(tensor_numels)
+    forward = sum(2 * batch * n for n in numels) / peak_flops
+    # Buckets in the order backward fills them (reverse), closed once they reach the cap.
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(numels))):
+        current.append(i)
+        size += numels[i] * bytes_per_element
+        if size >= bucket_cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+
+    def pack(nbytes):
+        return 2 * 2 * nbytes / memory_bandwidth   # copy in, divide: each reads and writes
+
+    t, link_free, comm = 0.0, 0.0, 0.0
+    backward = 0.0
+    launches = []
+    for members in buckets:
+        spent = sum(4 * batch * numels[i] for i in members) / peak_flops
+        t += spent
+        backward += spent
+        nbytes = sum(numels[i] for i in members) * bytes_per_element
+        launches.append(nbytes)
+        if overlap:
+            t += pack(nbytes)
+            start = max(t, link_free)
+            link_free = start + predict("ring_all_reduce", nbytes, world_size, link)
+            comm += link_free - start
+    if not overlap:
+        for nbytes in launches:
+            t += pack(nbytes)
+            start = max(t, link_free)
+            link_free = start + predict("ring_all_reduce", nbytes, world_size, link)
+            comm += link_free - start
+    synced = max(t, link_free) + 2 * sum(launches) / memory_bandwidth   # copy back
+    exposed = max(0.0, link_free - t)
+    return dict(forward=forward, backward=backward, comm=comm, exposed=exposed,
+                step=forward + synced)

@@ -15,11 +15,12 @@ Both equal single-process training on the global batch, because the mean of the 
 losses over equal shards IS the mean loss over the whole batch, and gradients are linear.
 """
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from .trace import completed_at, now
 
 
 def shard_batch(x, rank, world_size):
@@ -86,12 +87,14 @@ class BucketedDDP(nn.Module):
     """Wrap `module` so that `loss.backward()` also averages its gradients over the ranks.
 
     bucket_cap_mb: gradients are packed, in reverse order of the parameters (the order backward
-                   produces them), into buckets of at least this many MiB (the last one smaller).
+                   produces them), into buckets of at least this many MiB (the last one smaller),
+                   one dtype and device per bucket; frozen parameters are left out.
     overlap:       True launches each bucket's all_reduce as soon as it is full, while backward
                    still runs; False waits for the end of backward and then sends every bucket
                    (the same messages, no overlap), to measure what overlap buys.
     After each backward, `last_timeline()` says when backward started, when each gradient was
-    ready, and when each bucket's all_reduce was launched and finished (perf_counter seconds).
+    ready, and when each bucket's all_reduce was launched and finished: seconds on the rank's
+    clock (`distlab.trace.now()`, modeled under emulation).
     """
 
     def __init__(self, module, bucket_cap_mb=25.0, overlap=True, group=None, broadcast=True):
@@ -115,18 +118,25 @@ class BucketedDDP(nn.Module):
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _make_buckets(self, cap_bytes):
+        # Frozen parameters get no gradient, and named_parameters lists a tied (shared) parameter
+        # once: its gradient, summed over every use, is sent once.
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad][::-1]
-        buckets, params, names, size = [], [], [], 0
+        # One buffer holds one dtype on one device (a float64 gradient in a float32 buffer would
+        # lose digits), so, as in torch's DDP, each (dtype, device) fills buckets of its own.
+        full, filling, size = [], {}, {}
         for name, p in named:
-            params.append(p)
-            names.append(name)
-            size += p.numel() * p.element_size()
-            if size >= cap_bytes:
-                buckets.append(Bucket(len(buckets), params, names))
-                params, names, size = [], [], 0
-        if params:
-            buckets.append(Bucket(len(buckets), params, names))
-        return buckets
+            key = (p.dtype, p.device)
+            filling.setdefault(key, []).append((name, p))
+            size[key] = size.get(key, 0) + p.numel() * p.element_size()
+            if size[key] >= cap_bytes:
+                full.append(filling.pop(key))
+                size[key] = 0
+        full += filling.values()
+        # Numbered in the order backward starts filling them: the order they are launched in.
+        position = {id(p): i for i, (_, p) in enumerate(named)}
+        full.sort(key=lambda members: position[id(members[0][1])])
+        return [Bucket(i, [p for _, p in members], [n for n, _ in members])
+                for i, members in enumerate(full)]
 
     def forward(self, *args, **kwargs):
         out = self.module(*args, **kwargs)
@@ -147,7 +157,7 @@ class BucketedDDP(nn.Module):
             self._sync = True
 
     def _backward_begins(self, grad):
-        self._backward_started = time.perf_counter()
+        self._backward_started = now()
         self._start_round()
         return grad
 
@@ -164,14 +174,14 @@ class BucketedDDP(nn.Module):
         if not self._sync:
             return
         if not self._in_backward:       # the output hook did not fire (e.g. a tuple output)
-            self._backward_started = time.perf_counter()
+            self._backward_started = now()
             self._start_round()
-        now = time.perf_counter()
+        t = now()
         bucket = self._bucket_of[id(param)]
         bucket.pending.discard(id(param))
-        self._grad_times.append((self._name_of[id(param)], now))
+        self._grad_times.append((self._name_of[id(param)], t))
         if not bucket.pending:
-            bucket.ready_at = now
+            bucket.ready_at = t
             if self.overlap:
                 self._launch_ready_buckets()
 
@@ -189,13 +199,14 @@ class BucketedDDP(nn.Module):
             bucket.buffer[offset:offset + n].copy_(p.grad.reshape(-1))
             offset += n
         bucket.buffer.div_(self.world_size)    # pre-divide: the sum of the shares is the mean
-        bucket.launched_at = time.perf_counter()
+        bucket.launched_at = now()
         bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
 
-        def record_done(future, bucket=bucket):
-            bucket.done_at = time.perf_counter()
-            return future.value()
-        bucket.work.get_future().then(record_done)
+        if completed_at(bucket.work) is None:       # not traced: time it when it completes
+            def record_done(future, bucket=bucket):
+                bucket.done_at = now()
+                return future.value()
+            bucket.work.get_future().then(record_done)
 
     def _finish(self):
         self._in_backward = False
@@ -208,8 +219,8 @@ class BucketedDDP(nn.Module):
         self._launch_ready_buckets()
         for b in self.buckets:
             b.work.wait()
-            if b.done_at is None:         # the future's callback may run a moment later
-                b.done_at = time.perf_counter()
+            if b.done_at is None:         # traced, or the future's callback runs a moment later
+                b.done_at = completed_at(b.work) or now()
             offset = 0
             for p in b.params:
                 n = p.numel()

@@ -57,16 +57,70 @@ def gpus_to_hold(n_bytes, gpu_bytes=80 * GB):
     return math.ceil(n_bytes / gpu_bytes)
 
 
-def activation_bytes(seq_len, batch, hidden, layers, heads, checkpointing=False):
-    """Activations a transformer keeps for backward, in 16-bit precision, without tensor parallel.
+ATTENTION = ("flash", "materialized")
+RECOMPUTATION = ("none", "selective", "full")
 
-    Per layer s·b·h·(34 + 5·a·s/h) bytes (Korthikanti et al. 2022, "Reducing Activation
-    Recomputation in Large Transformer Models", eq. 1); with full activation checkpointing only
-    each layer's input is kept, 2·s·b·h bytes, and the rest is recomputed during backward.
+
+def activation_breakdown(seq_len, batch, hidden, heads, attention="flash", recompute="none",
+                         bytes_per_value=2, dropout=True, ffn_mult=4):
+    """{what: bytes} that ONE transformer layer keeps for backward (no tensor parallelism).
+
+    A GPT block, as Korthikanti et al. (2022, "Reducing Activation Recomputation in Large
+    Transformer Models", §4.1) count it, values of `bytes_per_value` bytes (2 in 16-bit):
+    the two LayerNorms' inputs, the QKV matmul's input, Q/K/V, the attention output (the output
+    projection's input), the MLP's input and its hidden activation before and after GeLU; with
+    dropout, a 1-byte mask after attention and after the MLP. That is 34·s·b·h bytes in 16-bit.
+
+    attention="materialized" also keeps the s×s scores of every head: softmax output, and with
+    dropout its mask and output — 5·a·s²·b bytes, the paper's 5·a·s/h term. attention="flash"
+    (scaled_dot_product_attention, FlashAttention) never stores them: its backward recomputes
+    them from Q, K, V and one float32 log-sum-exp per head and query (4·a·s·b bytes).
+
+    recompute="selective" (the paper's selective recomputation) drops exactly the s×s part and
+    recomputes it in backward — what flash attention already does inside its kernel, so with
+    flash it changes nothing. recompute="full" keeps only the layer's input (s·b·h values) and
+    reruns the whole layer's forward in backward.
     """
-    sbh = seq_len * batch * hidden
-    per_layer = 2 * sbh if checkpointing else sbh * (34 + 5 * heads * seq_len / hidden)
-    return layers * per_layer
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}; got {attention!r}.")
+    recompute = {False: "none", None: "none", True: "full"}.get(recompute, recompute)
+    if recompute not in RECOMPUTATION:
+        raise ValueError(f"recompute must be one of {RECOMPUTATION} (or True/False); "
+                         f"got {recompute!r}.")
+    sbh, v = seq_len * batch * hidden, bytes_per_value
+    if recompute == "full":
+        return {"layer input (the rest is recomputed)": v * sbh}
+    parts = {
+        "LayerNorm inputs": 2 * v * sbh,
+        "QKV matmul input": v * sbh,
+        "Q, K, V": 3 * v * sbh,
+        "attention output": v * sbh,
+        "MLP input": v * sbh,
+        "MLP hidden, before and after GeLU": 2 * ffn_mult * v * sbh,
+    }
+    if dropout:
+        parts["dropout masks"] = 2 * sbh
+    scores = heads * seq_len * seq_len * batch
+    if attention == "materialized" and recompute == "none":
+        parts["s×s attention scores"] = (2 * v + 1) * scores if dropout else v * scores
+    elif attention == "flash":
+        parts["log-sum-exp (float32)"] = 4 * heads * seq_len * batch
+    return parts
+
+
+def activation_bytes(seq_len, batch, hidden, layers, heads, checkpointing=False,
+                     attention="flash", bytes_per_value=2, dropout=True):
+    """Activations a transformer keeps for backward, 16-bit by default, without tensor parallel.
+
+    Per layer s·b·h·(34 + 5·a·s/h) bytes with attention="materialized" (Korthikanti et al. 2022,
+    eq. 1); about 34·s·b·h with attention="flash" (the default, as scaled_dot_product_attention
+    runs), since the s×s scores are never stored. checkpointing: False, "selective" (recompute
+    the attention scores) or "full"/True (keep only each layer's input, 2·s·b·h bytes, and
+    recompute the rest). activation_breakdown() lists the terms.
+    """
+    parts = activation_breakdown(seq_len, batch, hidden, heads, attention, checkpointing,
+                                 bytes_per_value, dropout)
+    return layers * sum(parts.values())
 
 
 # (parameters, layers, hidden size, attention heads) of well-known models, for the calculator.
@@ -80,10 +134,25 @@ PRESETS = {
 
 
 def per_gpu_bytes(model, precision="bf16-mixed", optimizer="adam", zero_stage=0, world_size=1,
-                  seq_len=2048, micro_batch=1, checkpointing=False):
+                  seq_len=2048, micro_batch=1, checkpointing=False, attention="flash"):
     """Everything one data-parallel GPU holds for a preset model: model states + activations."""
     n, layers, hidden, heads = PRESETS[model]
     out = model_state_bytes(n, precision, optimizer, zero_stage, world_size)
     out["activations"] = activation_bytes(seq_len, micro_batch, hidden, layers, heads,
-                                          checkpointing)
+                                          checkpointing, attention)
     return out
+
+
+def zero3_step_seconds(gather, forward, backward, reduce_scatter, layers, prefetch):
+    """Modeled seconds of ZeRO-3's forward + backward over `layers` equal layers, each costing
+    `gather` (all-gather its weights), `forward` / `backward` (compute) and `reduce_scatter`
+    (its gradients, synchronous) seconds, on one link per rank.
+
+    Without prefetch nothing overlaps: L·(2·gather + forward + backward + reduce_scatter).
+    With prefetch, layer i+1's gather (i-1's in backward) runs during layer i's compute, so each
+    layer after the first costs max(compute, gather) instead of their sum.
+    """
+    g, f, b, r, n = gather, forward, backward, reduce_scatter, layers
+    if not prefetch:
+        return n * (2 * g + f + b + r)
+    return (g + (n - 1) * max(f, g) + f) + (g + (n - 1) * (max(b, g) + r) + b + r)

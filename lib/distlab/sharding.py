@@ -20,7 +20,13 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from .models import make_optimizer
+
+# The names the chapters use; any other optimizer is given by its class (optimizer_class=).
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+# These look at a whole tensor at once (its matrix shape, a closure over the whole model, sparse
+# rows), so on flat slices they would compute something else than on one process.
+_NOT_PER_ELEMENT = tuple(getattr(torch.optim, name) for name in
+                         ("LBFGS", "Adafactor", "Muon", "SparseAdam") if hasattr(torch.optim, name))
 
 
 def chunk_bounds(numel, world_size, rank):
@@ -39,19 +45,67 @@ def gather_flat(shard, numel, group=None):
     return torch.cat(parts)[:numel]
 
 
-class ZeRO:
-    """Wraps a model replicated on every rank of `group`; call backward as usual, then step()."""
+def _optimizer(optimizer=None, optimizer_class=None, lr=None, **defaults):
+    """(class, keyword arguments) of the optimizer ZeRO builds on this rank's slices.
 
-    def __init__(self, model, stage, group=None, optimizer="adam", lr=1e-2):
+    Either a name ("sgd" or "adam"; lr 1e-2 unless given), or any per-element torch.optim class
+    with its keyword arguments, as torch's ZeroRedundancyOptimizer(optimizer_class=, **defaults).
+    """
+    if optimizer is not None and optimizer_class is not None:
+        raise ValueError("give the optimizer either by name (optimizer='adam') or by class "
+                         "(optimizer_class=torch.optim.AdamW), not both.")
+    if optimizer_class is None:
+        if not isinstance(optimizer, str) and optimizer is not None:
+            optimizer_class = optimizer                  # a class given in the name's place
+        elif (optimizer or "adam") in OPTIMIZERS:
+            optimizer_class, lr = OPTIMIZERS[optimizer or "adam"], 1e-2 if lr is None else lr
+        else:
+            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, or a class given as "
+                             f"optimizer_class= (e.g. torch.optim.AdamW); got {optimizer!r}.")
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class such as "
+                        f"torch.optim.AdamW (the class, not an instance); got {optimizer_class!r}.")
+    if issubclass(optimizer_class, _NOT_PER_ELEMENT):
+        raise ValueError(f"{optimizer_class.__name__} looks at whole tensors, but ZeRO gives each "
+                         f"rank flat slices of them; use an optimizer that updates every element "
+                         f"on its own, such as SGD, Adam or AdamW.")
+    if lr is not None:
+        defaults["lr"] = lr
+    return optimizer_class, defaults
+
+
+class ZeRO:
+    """Wraps a model replicated on every rank of `group`; call backward as usual, then step().
+
+    The optimizer: `optimizer="adam"` (or "sgd") and `lr`, or any torch.optim class that updates
+    each element on its own, with its keyword arguments:
+
+        ZeRO(model, 2, optimizer_class=torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+
+    Frozen parameters (requires_grad=False) are neither sharded nor updated; a tied parameter is
+    one parameter; one that gets no gradient in a step is skipped, as on one process.
+
+    Stage 3 with `prefetch=True` launches the all-gather of the next layer (in the order the
+    modules were defined; the previous one in backward) asynchronously while this layer computes.
+    """
+
+    def __init__(self, model, stage, group=None, optimizer=None, lr=None, *, optimizer_class=None,
+                 prefetch=False, **defaults):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {stage!r}.")
+        if prefetch and stage != 3:
+            raise ValueError(f"prefetch gathers the next layer's parameters, which only stage 3 "
+                             f"shards; got prefetch=True with stage {stage}.")
+        self.prefetch, self._pending = prefetch, {}
+        optimizer_class, defaults = _optimizer(optimizer, optimizer_class, lr, **defaults)
         self.model, self.stage, self.group = model, stage, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.sent = Counter()  # bytes this rank sent, per collective (ring algorithms)
         self.params = [p for p in model.parameters() if p.requires_grad]
         src = dist.get_global_rank(group, 0) if group is not None else 0
-        for p in self.params:  # every replica starts from the same weights
-            dist.broadcast(p.data, src, group=group)
+        with torch.no_grad():  # every replica starts from the same weights, frozen ones included
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t, src, group=group)
         self.shards = []
         for p in self.params:
             lo, hi = chunk_bounds(p.numel(), self.world, self.rank)
@@ -59,7 +113,7 @@ class ZeRO:
             # Stages 1-2: the shard is a view of the full parameter, updated in place.
             # Stage 3: the full parameter is about to be freed, so the shard owns its memory.
             self.shards.append(torch.nn.Parameter(flat.clone() if stage == 3 else flat))
-        self.optimizer = make_optimizer(self.shards, optimizer, lr)
+        self.optimizer = optimizer_class(self.shards, **defaults)
         if stage >= 2:
             for p, s in zip(self.params, self.shards):
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(p, s))
@@ -104,11 +158,37 @@ class ZeRO:
         return hook
 
     # ---- stage 3: parameters exist only around their layer's forward and backward -----------
-    def _gather(self, module):
+    def _gather(self, module, backward=False):
+        if module in self._pending:  # prefetched while the previous layer computed
+            self._finish_prefetch(module)
         for p in self._owner[module]:
             if p.untyped_storage().nbytes() == 0:
                 p.untyped_storage().resize_(p.numel() * p.element_size())
                 self._all_gather_param(p, self.shards[self._index(p)])
+        if self.prefetch:  # the next layer's all-gather runs while this layer computes
+            order = list(self._owner)
+            i = order.index(module) + (-1 if backward else 1)
+            if 0 <= i < len(order):
+                self._start_prefetch(order[i])
+
+    def _start_prefetch(self, module):
+        works = []
+        for p in self._owner[module]:
+            if p.untyped_storage().nbytes() == 0 and module not in self._pending:
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+                shard, c = self.shards[self._index(p)].data, math.ceil(p.numel() / self.world)
+                mine = torch.nn.functional.pad(shard, (0, c - shard.numel()))  # equal sizes
+                parts = [torch.empty_like(mine) for _ in range(self.world)]
+                works.append((p, parts, dist.all_gather(parts, mine, group=self.group,
+                                                        async_op=True)))
+        if works:
+            self._pending[module] = works
+
+    def _finish_prefetch(self, module):
+        for p, parts, work in self._pending.pop(module):
+            work.wait()
+            p.data.view(-1).copy_(torch.cat(parts)[:p.numel()])
+            self.sent["all_gather"] += parts[0].numel() * p.element_size() * (self.world - 1)
 
     def _after_forward(self, module, args, output):
         for p in self._owner[module]:
@@ -117,7 +197,7 @@ class ZeRO:
         # the moment to gather its weights again.
         for t in output if isinstance(output, (tuple, list)) else [output]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda grad, m=module: self._gather(m))
+                t.register_hook(lambda grad, m=module: self._gather(m, backward=True))
                 break
 
     def _index(self, p):
@@ -128,6 +208,8 @@ class ZeRO:
         if self.stage == 1:  # full gradients exist (as in DDP); each rank takes its averaged slice
             for p, s in zip(self.params, self.shards):
                 s.grad = None
+                if p.grad is None:  # unused in this step: skipped, as by the optimizer on one process
+                    continue
                 self._reduce_scatter_grad(p.grad, s)
                 lo, hi = chunk_bounds(p.numel(), self.world, self.rank)
                 p.grad.view(-1)[lo:hi].copy_(s.grad)  # keep the averaged slice in place...

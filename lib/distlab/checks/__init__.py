@@ -4,7 +4,6 @@ one sentence what differs (which rank, which element, expected vs got) or that i
 Each chapter's checkers live in `distlab.checks.chNN`; this module holds what they share.
 """
 import contextlib
-import functools
 import math
 import numbers
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from ..launch import RunTimeout
-from . import (CheckFailed, RankFailed, call_learner, compare, passed, run, run_learner,
-               sizes_phrase)
+from . import (CheckFailed, RankFailed, UsedCourseCode, call_learner, compare, forbid, passed,
+               run, run_learner, sizes_phrase)
 
 WORLD_SIZES = (2, 3, 4)
 
@@ -45,14 +45,28 @@ def real(collective, inputs):
     return list(run(fn, len(inputs), inputs, timeout=60))
 
 
+def _references():
+    """The checker's own answer key: refused inside the learner's function."""
+    return (real, _real_reduce_scatter, _real_all_to_all)
+
+
 # ---- exercise 1 and 2: predict the result -----------------------------------------------------
+
+def _predict(fn, inputs, name, collective):
+    try:
+        with forbid(*_references(), exercise=f"predict what {collective} gives by reasoning "
+                                             f"about the data, in one process"):
+            return call_learner(fn, [t.clone() for t in inputs], name=name)
+    except UsedCourseCode as e:
+        raise CheckFailed(str(e)) from None
+
 
 def _check_prediction(fn, collective, name):
     for ws in WORLD_SIZES:
         for per_chunk in (1, 3):
             inputs = _inputs(ws, ws * per_chunk, seed=per_chunk)
             expected = real(collective, inputs)
-            got = call_learner(fn, [t.clone() for t in inputs], name=name)
+            got = _predict(fn, inputs, name, collective)
             context = f"{name} with world_size={ws} and {per_chunk} element(s) per chunk"
             if not isinstance(got, (list, tuple)) or len(got) != ws:
                 compare(got, expected, context)
@@ -83,7 +97,8 @@ def _uneven_inputs(world_size):
 
 
 def _run_uneven(rank, world_size, fn, inputs):
-    return fn(inputs[rank].clone())
+    with forbid(*_references(), exercise="write the uneven all-gather yourself"):
+        return fn(inputs[rank].clone())
 
 
 def check_all_gather_uneven(fn):
@@ -100,6 +115,8 @@ def check_all_gather_uneven(fn):
             raise CheckFailed(f"{name} with world_size={ws} (lengths {lengths}) hung: {stuck} "
                               f"(a collective needs the same shapes on every rank).") from None
         except RankFailed as e:
+            if e.exc_type == UsedCourseCode.__name__:
+                raise CheckFailed(str(e.exception or e).splitlines()[-1]) from None
             if e.exc_type != "RuntimeError":
                 raise  # a bug in the learner's own Python: their traceback says more than we can
             # gloo's own words, minus the C++ file name, are the useful part.

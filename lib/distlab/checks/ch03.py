@@ -1,179 +1,355 @@
 """Checkers of workbook 03: a ring all-reduce and a tree broadcast, built from send/recv.
 
-Each checker runs the learner's function on real ranks at odd world sizes and at lengths that do
-not divide by the world size (some shorter than it), and compares every rank's answer with
-torch.distributed's own collective on the same inputs.
+Each checker runs the learner's function on real ranks at world sizes 2, 3 and 5 and at lengths
+that do not divide by the world size (some shorter than it), with readable inputs (rank r holds
+100·(r+1) + 0, 1, 2, ...), and compares every rank's answer with what torch.distributed's
+collective gives on those inputs (computed in one process: small integers add up exactly in any
+order). Then it judges the ALGORITHM from the run's trace
+(`distlab.run(..., trace=True)`), which sees every message and every collective whatever route
+the learner's code took (`dist.x`, a name imported before the check, `ProcessGroup` methods):
+
+- ring all-reduce: no collective; every rank sends only to its right neighbour and receives only
+  from its left, 2(N-1) messages of one chunk each (at most ceil(L/N) elements);
+- ring all-gather / reduce-scatter (`check_ring_all_gather`, `check_ring_reduce_scatter`, for
+  learners who write the halves apart): the same, with N-1 messages;
+- tree broadcast: no collective, and the longest chain of messages that wait for one another
+  (a rank sends one message at a time, and forwards only what it has received) is at most
+  ceil(log2 N) long.
+
+The course's own implementations (`distlab.collectives`) and this module's references refuse to
+run inside the learner's function (`distlab.checks.forbid`). A deadlock is reported within
+TIMEOUT seconds with where each rank waits.
 """
+import linecache
 import math
+import os
+import re
 
 import torch
-import torch.distributed as dist
 
-from . import CheckFailed, compare, passed, run_learner, sizes_phrase
-from ..launch import RankFailed
-from . import run
+from . import (CheckFailed, UsedCourseCode, compare, forbid, passed, run, run_learner,
+               sizes_phrase)
+from .. import collectives as _collectives
+from .. import trace as _trace
+from ..launch import RankFailed, RunTimeout
 
 WORLD_SIZES = (2, 3, 5)
 LENGTHS = (1, 4, 7, 13)
-# The built-in collectives a learner might reach for; inside the check they refuse to run.
-BUILTINS = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
-            "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
-            "reduce_scatter_single", "all_to_all", "all_to_all_single", "scatter", "gather",
-            "all_reduce_coalesced", "all_gather_coalesced", "broadcast_object_list",
-            "all_gather_object", "gather_object", "scatter_object_list", "_all_gather_base",
-            "_reduce_scatter_base")
+TIMEOUT = 20       # a learner's deadlock is reported, with where each rank waits, within this
+P2P = ("send", "recv")
 
-
-class UsedBuiltinCollective(RuntimeError):
-    pass
+RING_RULE = ("in a ring, rank r sends only to rank r+1 (its right neighbour) and receives only "
+             "from rank r-1")
+RING_DEADLOCK = ("In a ring every rank sends right and receives from the left in the same step: "
+                 "post both before waiting on either (dist.batch_isend_irecv, or isend + irecv "
+                 "then wait), or order them by parity; if every rank first waits to receive, "
+                 "nobody ever sends.")
+TREE_DEADLOCK = ("Every recv needs a matching send: in round k (mask = 2^k) a rank with "
+                 "v = (rank - src) % N < mask sends to v + mask, and the rank with "
+                 "mask <= v < 2·mask receives from v - mask; ranks with nothing to do that round "
+                 "must not post a recv.")
 
 
 def _data(rank, length):
-    return torch.randn(length, generator=torch.Generator().manual_seed(1000 * rank + length))
-
-
-def _forbid_builtins():
-    def refuse(name):
-        def refused(*args, **kwargs):
-            raise UsedBuiltinCollective(
-                f"your function called dist.{name}; the exercise is to build it from "
-                f"send/recv (or isend/irecv) only.")
-        return refused
-    # Both names: `dist.x` and torch's internal `distributed_c10d.x` (what helpers call).
-    saved = {(module, name): getattr(module, name) for module in (dist, dist.distributed_c10d)
-             for name in BUILTINS if hasattr(module, name)}
-    for module, name in saved:
-        setattr(module, name, refuse(name))
-    return saved
-
-
-def _restore(saved):
-    for (module, name), fn in saved.items():
-        setattr(module, name, fn)
-
-
-# ---- what runs on the ranks ----------------------------------------------------------------------
-
-def _learner_all_reduce(rank, world_size, fn):
-    saved = _forbid_builtins()
-    try:
-        return [fn(_data(rank, n)) for n in LENGTHS]
-    finally:
-        _restore(saved)
-
-
-def _reference_all_reduce(rank, world_size):
-    out = []
-    for n in LENGTHS:
-        t = _data(rank, n)
-        dist.all_reduce(t)
-        out.append(t)
-    return out
+    """Readable inputs: rank r holds 100·(r+1) + 0, 1, 2, ... (so sums are easy to check)."""
+    return torch.arange(length, dtype=torch.float32) + 100.0 * (rank + 1)
 
 
 def _sources(world_size):
     return sorted({0, world_size - 1, world_size // 2})
 
 
-def _count_sends():
-    """Wrap send and isend so the check can count this rank's messages; returns (counter, undo)."""
-    import torch.distributed.distributed_c10d as c10d
-    counter, depth = [0], [0]
-    saved = []
-    for name in ("send", "isend"):
-        original = getattr(c10d, name)
+def _course_code():
+    """The course's implementations and this module's references: refused in the learner's run."""
+    names = ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "tree_broadcast",
+             "naive_all_reduce", "all_to_all", "_exchange", "_ring_reduce_scatter_",
+             "_ring_all_gather_")
+    found = [getattr(_collectives, n) for n in names if callable(getattr(_collectives, n, None))]
+    return found + [_reference_all_reduce, _reference_all_gather, _reference_reduce_scatter,
+                    _reference_broadcast]
 
-        def counting(*args, _original=original, **kwargs):
-            # send may be built on isend: count the learner's call, not torch's inner one.
-            counter[0] += depth[0] == 0
-            depth[0] += 1
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-        # Both names: P2POp accepts only the op that distributed_c10d itself calls isend.
-        for module in (dist, c10d):
-            saved.append((module, name, getattr(module, name)))
-            setattr(module, name, counting)
 
-    def undo():
-        for module, name, fn in saved:
-            setattr(module, name, fn)
-    return counter, undo
+# ---- what runs on the ranks ----------------------------------------------------------------------
+
+def _learner_cases(fn, cases, exercise):
+    """Call fn(*args) for each case inside a trace span named 'case i', the course's code refused."""
+    out = []
+    with forbid(*_course_code(), exercise=exercise):
+        for i, args in enumerate(cases):
+            with _trace.span(f"case {i}"):
+                out.append(fn(*args))
+    return out
+
+
+def _learner_all_reduce(rank, world_size, fn):
+    return _learner_cases(fn, [(_data(rank, n),) for n in LENGTHS],
+                          "write the ring all-reduce from send/recv yourself")
+
+
+def _learner_all_gather(rank, world_size, fn):
+    return _learner_cases(fn, [(_data(rank, n),) for n in LENGTHS],
+                          "write the ring all-gather from send/recv yourself")
+
+
+def _learner_reduce_scatter(rank, world_size, fn):
+    return _learner_cases(fn, [(_data(rank, n),) for n in LENGTHS],
+                          "write the ring reduce-scatter from send/recv yourself")
 
 
 def _learner_broadcast(rank, world_size, fn):
-    saved = _forbid_builtins()
-    counter, undo = _count_sends()
+    return _learner_cases(fn, [(_data(rank, n), src) for src in _sources(world_size)
+                               for n in LENGTHS],
+                          "write the tree broadcast from send/recv yourself")
+
+
+# What dist.all_reduce / all_gather / broadcast give on these inputs, computed in one process
+# (the inputs are small integers, so every order of addition gives the same float exactly).
+
+def _reference_all_reduce(world_size):
+    return [[sum(_data(r, n) for r in range(world_size)) for n in LENGTHS]] * world_size
+
+
+def _reference_all_gather(world_size):
+    return [[[_data(r, n) for r in range(world_size)] for n in LENGTHS]] * world_size
+
+
+def _reference_reduce_scatter(world_size):
+    total = _reference_all_reduce(world_size)[0]
+    return [[torch.tensor_split(t, world_size)[rank] for t in total]
+            for rank in range(world_size)]
+
+
+def _reference_broadcast(world_size):
+    one = [_data(src, n) for src in _sources(world_size) for n in LENGTHS]
+    return [one] * world_size
+
+
+def _ready(rank, world_size):
+    return rank
+
+
+# ---- running the learner's function ----------------------------------------------------------------
+
+def _run(fn, world_size, worker, name, deadlock_rule):
+    """The learner's run with its trace; course code, deadlocks and stubs become one sentence."""
     try:
-        results, sends = [], []
-        for src in _sources(world_size):
-            for n in LENGTHS:
-                before = counter[0]
-                results.append(fn(_data(rank, n), src))
-                sends.append(counter[0] - before)
-        return results, sends
-    finally:
-        undo()
-        _restore(saved)
+        return run_learner(worker, world_size, fn, name=name, timeout=TIMEOUT, trace=True)
+    except RankFailed as e:
+        if e.exc_type == UsedCourseCode.__name__:
+            raise CheckFailed(str(e.exception or e).splitlines()[-1]) from None
+        raise
+    except RunTimeout as e:
+        where = _where_ranks_wait(e, world_size)
+        if where is None:
+            raise          # stuck before the learner's code ran: not the learner's deadlock
+        raise CheckFailed(f"{name} with world_size={world_size} deadlocked (no rank finished in "
+                          f"{TIMEOUT} s): {where}. {deadlock_rule}") from None
 
 
-def _reference_broadcast(rank, world_size):
-    out = []
-    for src in _sources(world_size):
-        for n in LENGTHS:
-            t = _data(rank, n)
-            dist.broadcast(t, src)
-            out.append(t)
-    return out
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_LIB = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _not_learner(path):
+    return (path.startswith((_LIB, _TORCH)) or "multiprocessing" in path
+            or path == "<string>")
+
+
+def _where_ranks_wait(error, world_size):
+    """'rank 0 waits in recv at `dist.recv(t, left)`; rank 1 ...', or None when no rank is in
+    the learner's code (then the run was stuck somewhere else)."""
+    phrases, in_learner = [], False
+    for rank in range(world_size):
+        if rank not in error.running:
+            phrases.append(f"rank {rank} had finished")
+            continue
+        frames = _FRAME.findall((error.stacks or {}).get(rank, ""))   # most recent call first
+        mine = next((i for i, (path, _, _) in enumerate(frames) if not _not_learner(path)), None)
+        if mine is None:
+            phrases.append(f"rank {rank} did not say where it waits")
+            continue
+        in_learner = True
+        path, line, func = frames[mine]
+        inner = [f for (p, _, f) in frames[:mine] if p.endswith("distributed_c10d.py")]
+        called = inner[-1] if inner else (frames[mine - 1][2] if mine > 0 else "your code")
+        source = linecache.getline(path, int(line)).split("  #")[0].strip()
+        at = f"`{source}`" if source else f"line {line} of {func}"
+        phrases.append(f"rank {rank} waits in {called} at {at}")
+    return "; ".join(phrases) if in_learner else None
+
+
+def _events(trace, rank, case):
+    label = [f"case {case}"]
+    return [e for e in trace.comm(rank) if e["label"] == label]
+
+
+def _collective_used(trace, world_size, n_cases, name, what):
+    for rank in range(world_size):
+        for case in range(n_cases):
+            for e in _events(trace, rank, case):
+                if e["op"] not in P2P and e["op"] != "barrier":     # a barrier moves no data
+                    how = "from C++" if e["native"] else "through dist or a process group"
+                    raise CheckFailed(
+                        f"{name}: rank {rank} called the built-in collective {e['op']} ({how}, "
+                        f"as the run's trace shows); the exercise is to build {what} from "
+                        f"send/recv (isend/irecv, batch_isend_irecv) only.")
+
+
+def _size(nbytes):
+    return f"{nbytes} B ({nbytes // 4} float32 element{'s' if nbytes != 4 else ''})"
+
+
+def _check_ring(trace, world_size, lengths, messages, name, what, gathers=False):
+    """Every rank sends only right and receives only from the left, `messages` messages of one
+    chunk each per call: at most ceil(L/N) elements of a tensor of length L, or (`gathers`, an
+    all-gather of pieces of length L) one piece."""
+    n = world_size
+    _collective_used(trace, n, len(lengths), name, what)
+    for case, length in enumerate(lengths):
+        chunk = (length if gathers else math.ceil(length / n)) * 4
+        most = f"one rank's piece, {length}" if gathers else f"ceil({length}/{n}) = {chunk // 4}"
+        context = f"{name} with world_size={n}, length {length}"
+        for rank in range(n):
+            right, left = (rank + 1) % n, (rank - 1) % n
+            events = _events(trace, rank, case)
+            for e in events:
+                if e["op"] == "send" and e["peer"] != right:
+                    raise CheckFailed(
+                        f"{context}: rank {rank} sent {_size(e['bytes'])} to rank {e['peer']}; "
+                        f"in a ring, rank {rank} only sends to rank {right} (its right "
+                        f"neighbour).")
+            for e in events:
+                if e["op"] == "recv" and e["peer"] is not None and e["peer"] != left:
+                    raise CheckFailed(
+                        f"{context}: rank {rank} received {_size(e['bytes'])} from rank "
+                        f"{e['peer']}; in a ring, rank {rank} only receives from rank {left} "
+                        f"(its left neighbour).")
+            for e in events:
+                if e["op"] == "send" and e["bytes"] > chunk:
+                    raise CheckFailed(
+                        f"{context}: rank {rank} sent {_size(e['bytes'])} in one message to rank "
+                        f"{e['peer']}; in a ring every message is one chunk of the tensor, at "
+                        f"most {most} element(s) ({chunk} B) here.")
+            sent = [e for e in events if e["op"] == "send"]
+            # A chunk can be empty when the length is shorter than N: its message may be skipped.
+            if len(sent) > messages or (len(sent) < messages and length >= n):
+                total = sum(e["bytes"] for e in sent)
+                raise CheckFailed(
+                    f"{context}: rank {rank} sent {len(sent)} messages ({total} B in all); "
+                    f"{what} on a ring of {n} sends exactly {_messages_phrase(messages, n)} per "
+                    f"rank, each one chunk ({most} element(s) at most).")
+
+
+def _messages_phrase(messages, n):
+    if messages == 2 * (n - 1):
+        return f"2(N-1) = {messages} messages (N-1 to reduce-scatter, N-1 to all-gather)"
+    return f"N-1 = {messages} messages"
+
+
+def _rounds(trace, world_size, case):
+    """The longest chain of messages in which each waits for the one before: a rank sends one
+    message at a time, and a message it sends after a receive waits for that receive.
+    Returns (length, [(src, dst), ...] of that chain)."""
+    events = {r: _events(trace, r, case) for r in range(world_size)}
+    position = {r: 0 for r in range(world_size)}
+    depth = {r: 0 for r in range(world_size)}
+    chain = {r: [] for r in range(world_size)}
+    in_flight = {}                     # (src, dst, tag) -> [(depth, chain)] in order of sending
+    progress = True
+    while progress:
+        progress = False
+        for r in range(world_size):
+            while position[r] < len(events[r]):
+                e = events[r][position[r]]
+                if e["op"] == "send":
+                    depth[r] += 1
+                    chain[r] = chain[r] + [(r, e["peer"])]
+                    in_flight.setdefault((r, e["peer"], e["tag"]), []).append(
+                        (depth[r], chain[r]))
+                elif e["op"] == "recv" and e["peer"] is not None:
+                    queue = in_flight.get((e["peer"], r, e["tag"]))
+                    if not queue:
+                        break              # its send is not processed yet
+                    d, c = queue.pop(0)
+                    if d > depth[r]:
+                        depth[r], chain[r] = d, c
+                position[r] += 1
+                progress = True
+    deepest = max(range(world_size), key=lambda r: depth[r])
+    return depth[deepest], chain[deepest]
 
 
 # ---- the checkers --------------------------------------------------------------------------------
 
-def _run(fn, world_size, worker, name):
-    try:
-        return run_learner(worker, world_size, fn, name=name, timeout=60)
-    except RankFailed as e:
-        if e.exc_type == UsedBuiltinCollective.__name__:
-            raise CheckFailed(str(e).splitlines()[0].split(": ", 1)[1]) from None
-        raise
+def _values(got, expected, world_size, cases, name):
+    for rank in range(world_size):
+        for i, case in enumerate(cases):
+            compare(got[rank][i], expected[rank][i],
+                    f"{name} with world_size={world_size}, {case}: on rank {rank}",
+                    atol=1e-4, rtol=1e-6)
+
+
+def _check_ring_exercise(fn, default_name, learner, reference, messages, what, result, count,
+                         gathers=False):
+    name = getattr(fn, "__name__", default_name)
+    for ws in WORLD_SIZES:
+        run(_ready, ws, timeout=60)      # a warm launcher: TIMEOUT is for the learner's code
+        expected = reference(ws)
+        got = _run(fn, ws, learner, name, RING_DEADLOCK)
+        _check_ring(got.trace, ws, LENGTHS, messages(ws), name, what, gathers)
+        _values(got, expected, ws, [f"length {n}" for n in LENGTHS], name)
+    passed(f"{name} equals {result} on every rank at world sizes {sizes_phrase(WORLD_SIZES)} "
+           f"and lengths {sizes_phrase(LENGTHS)}, and the trace shows a ring: each rank sent "
+           f"only to its right neighbour, {count} messages of one chunk each.")
 
 
 def check_ring_all_reduce(ring_all_reduce):
-    """`ring_all_reduce(tensor)` returns the sum over ranks of a 1-D tensor, using send/recv only."""
-    name = getattr(ring_all_reduce, "__name__", "ring_all_reduce")
-    for ws in WORLD_SIZES:
-        got = _run(ring_all_reduce, ws, _learner_all_reduce, name)
-        expected = run(_reference_all_reduce, ws)
-        for rank in range(ws):
-            for i, n in enumerate(LENGTHS):
-                compare(got[rank][i], expected[rank][i],
-                        f"{name} with world_size={ws}, length {n}: on rank {rank}",
-                        atol=1e-5, rtol=1.3e-6)
-    passed(f"{name} equals dist.all_reduce on every rank at world sizes "
-           f"{sizes_phrase(WORLD_SIZES)} and lengths {sizes_phrase(LENGTHS)}.")
+    """`ring_all_reduce(tensor)` returns the sum over ranks of a 1-D tensor, using send/recv only,
+    as a ring: 2(N-1) messages of one chunk per rank, each to the right neighbour."""
+    _check_ring_exercise(ring_all_reduce, "ring_all_reduce", _learner_all_reduce,
+                         _reference_all_reduce, lambda n: 2 * (n - 1), "a ring all-reduce",
+                         "dist.all_reduce", "2(N-1)")
+
+
+def check_ring_all_gather(ring_all_gather):
+    """`ring_all_gather(tensor)` returns the list of every rank's 1-D tensor (same length on every
+    rank), using send/recv only, as a ring: N-1 messages per rank, each to the right neighbour."""
+    _check_ring_exercise(ring_all_gather, "ring_all_gather", _learner_all_gather,
+                         _reference_all_gather, lambda n: n - 1, "a ring all-gather",
+                         "dist.all_gather", "N-1", gathers=True)
+
+
+def check_ring_reduce_scatter(ring_reduce_scatter):
+    """`ring_reduce_scatter(tensor)` returns chunk `rank` (cut like torch.tensor_split) of the sum
+    over ranks, using send/recv only, as a ring: N-1 messages of one chunk per rank."""
+    _check_ring_exercise(ring_reduce_scatter, "ring_reduce_scatter", _learner_reduce_scatter,
+                         _reference_reduce_scatter, lambda n: n - 1, "a ring reduce-scatter",
+                         "chunk r of dist.all_reduce", "N-1")
 
 
 def check_tree_broadcast(tree_broadcast):
-    """`tree_broadcast(tensor, src)` returns src's tensor on every rank, using send/recv only."""
+    """`tree_broadcast(tensor, src)` returns src's tensor on every rank, using send/recv only, in
+    ceil(log2 N) rounds: the longest chain of messages that wait for one another."""
     name = getattr(tree_broadcast, "__name__", "tree_broadcast")
     for ws in WORLD_SIZES:
-        got = _run(tree_broadcast, ws, _learner_broadcast, name)
-        expected = run(_reference_broadcast, ws)
+        run(_ready, ws, timeout=60)
+        expected = _reference_broadcast(ws)
+        got = _run(tree_broadcast, ws, _learner_broadcast, name, TREE_DEADLOCK)
         cases = [(src, n) for src in _sources(ws) for n in LENGTHS]
-        for rank in range(ws):
-            for i, (src, n) in enumerate(cases):
-                compare(got[rank][0][i], expected[rank][i],
-                        f"{name} with world_size={ws}, src={src}, length {n}: on rank {rank}",
-                        atol=0, rtol=0)
-        rounds = math.ceil(math.log2(ws))
+        _collective_used(got.trace, ws, len(cases), name, "a tree broadcast")
+        _values(got, expected, ws, [f"src={src}, length {n}" for src, n in cases], name)
+        allowed = math.ceil(math.log2(ws))
         for i, (src, n) in enumerate(cases):
-            sent = got[src][1][i]
-            if sent > rounds:
+            rounds, chain = _rounds(got.trace, ws, i)
+            if rounds > allowed:
+                path = ", ".join(f"{a}→{b}" for a, b in chain)
                 raise CheckFailed(
-                    f"{name} with world_size={ws}, src={src}: the source sent {sent} messages, "
-                    f"but a binomial tree needs only {rounds} (ceil(log2 {ws})); let every rank "
-                    f"that already has the data pass it on.")
+                    f"{name} with world_size={ws}, src={src}: the data took {rounds} rounds "
+                    f"(the longest chain of messages, each waiting for the one before: {path}); "
+                    f"a binomial tree needs only ceil(log2 {ws}) = {allowed}: in every round, "
+                    f"every rank that already has the data sends it to one that does not.")
     passed(f"{name} equals dist.broadcast on every rank at world sizes "
            f"{sizes_phrase(WORLD_SIZES)}, from several source ranks and lengths "
-           f"{sizes_phrase(LENGTHS)}, and the source sends only ceil(log2 N) messages.")
+           f"{sizes_phrase(LENGTHS)}, and the trace shows a tree: ceil(log2 N) rounds of "
+           f"messages.")

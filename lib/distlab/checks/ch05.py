@@ -42,15 +42,19 @@ def _reference():
 
 def _compare_steps(got, expected, what, ws, rank, names):
     for s in range(STEPS):
-        for name, g, e in zip(names, got[s], expected[s]):
-            if isinstance(g, torch.Tensor) and g.shape == e.shape and ws > 1 \
-                    and torch.allclose(g, e * ws, rtol=1e-9, atol=1e-12) \
-                    and not torch.allclose(g, e, rtol=1e-9, atol=1e-12):
-                raise CheckFailed(
-                    f"with world_size={ws}, rank {rank} has the SUM of the ranks' gradients of "
-                    f"{name} at step {s}: divide by the world size to get their mean.")
-            compare(g, e, f"with world_size={ws}, rank {rank}, step {s}, {what} of {name}",
-                    atol=1e-10, rtol=1e-9)
+        _compare_step(got[s], expected[s], what, ws, rank, names, s)
+
+
+def _compare_step(got, expected, what, ws, rank, names, s):
+    for name, g, e in zip(names, got, expected):
+        if isinstance(g, torch.Tensor) and g.shape == e.shape and ws > 1 \
+                and torch.allclose(g, e * ws, rtol=1e-9, atol=1e-12) \
+                and not torch.allclose(g, e, rtol=1e-9, atol=1e-12):
+            raise CheckFailed(
+                f"with world_size={ws}, rank {rank} has the SUM of the ranks' gradients of "
+                f"{name} at step {s}: divide by the world size to get their mean.")
+        compare(g, e, f"with world_size={ws}, rank {rank}, step {s}, {what} of {name}",
+                atol=1e-10, rtol=1e-9)
 
 
 def _names():
@@ -60,6 +64,7 @@ def _names():
 def check_average_gradients(fn, world_sizes=(2, 3, 4)):
     """fn(model): after backward, replace every p.grad by its mean over the ranks."""
     def learner(rank, world_size):
+        from . import forbid
         model, (x, y) = _model(), _data()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         grads = []
@@ -68,7 +73,8 @@ def check_average_gradients(fn, world_sizes=(2, 3, 4)):
             yb = shard_batch(y[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH], rank, world_size)
             opt.zero_grad()
             F.mse_loss(model(xb), yb).backward()
-            fn(model)
+            with forbid(*_forbidden(), exercise="average the gradients yourself"):
+                fn(model)
             grads.append([p.grad.clone() if p.grad is not None else None
                           for p in model.parameters()])
             opt.step()
@@ -89,72 +95,431 @@ def _buckets_of(model):
     return [params[i:i + 2] for i in range(0, len(params), 2)]
 
 
+def _forbidden():
+    """The course's own data parallelism, refused inside the learner's function."""
+    from .. import data_parallel
+    return (data_parallel.BucketedDDP, data_parallel.average_gradients, _reference)
+
+
 def check_bucketed_hooks(fn, world_sizes=(2, 3)):
-    """fn(model, buckets, world_size) -> finish(); finish() after backward leaves averaged grads."""
+    """fn(model, buckets, world_size) -> finish(); finish() after backward leaves averaged grads.
+
+    Judged from the run's trace (so any way of calling all_reduce counts): one all_reduce per
+    bucket per step carrying the whole bucket, launched from inside backward before backward
+    produces the first gradient of the next bucket (real overlap), not waited for in the hook.
+    """
     def learner(rank, world_size):
+        from .. import _tracer
+        from . import forbid
+        events = _tracer._active.events            # this rank's communication, as it happens
         model, (x, y) = _model(), _data()
         buckets = _buckets_of(model)
-        real_all_reduce = dist.all_reduce
-        calls = {"during_backward": 0, "total": 0, "async": 0}
-        in_backward = [False]
+        bucket_of = {id(p): k for k, b in enumerate(buckets) for p in b}
+        step_log = {}
 
-        def counting_all_reduce(*args, **kwargs):
-            calls["total"] += 1
-            calls["during_backward"] += in_backward[0]
-            calls["async"] += bool(kwargs.get("async_op"))
-            return real_all_reduce(*args, **kwargs)
+        # Registered before the learner's hooks, so it runs first for every parameter: when the
+        # first gradient of bucket k+1 is ready, buckets 0..k must already have been launched.
+        def gradient_ready(p):
+            k = bucket_of[id(p)]
+            if k not in step_log["first_grad"]:
+                launched = [e for e in events[step_log["start"]:] if e["op"] == "all_reduce"]
+                step_log["first_grad"][k] = len(launched)
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(gradient_ready)
 
-        dist.all_reduce = counting_all_reduce
-        try:
+        with forbid(*_forbidden(), exercise="send the buckets from your own hooks"):
             finish = fn(model, buckets, world_size)
             if not callable(finish):
                 return {"error": f"returned {type(finish).__name__}, not a finish() function"}
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            grads, params = [], []
+            grads, params, steps = [], [], []
             for s in range(STEPS):
                 xb = shard_batch(x[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH], rank, world_size)
                 yb = shard_batch(y[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH], rank, world_size)
                 opt.zero_grad()
                 loss = F.mse_loss(model(xb), yb)
-                in_backward[0] = True
+                step_log.update(start=len(events), first_grad={})
                 loss.backward()
-                in_backward[0] = False
+                in_backward = len(events)
                 finish()
+                mine = events[step_log["start"]:]
+                steps.append(dict(
+                    first_grad=dict(step_log["first_grad"]),
+                    ops=[(e["op"], e["bytes"], e["native"], bool(e["async_op"]),
+                          i < in_backward - step_log["start"]) for i, e in enumerate(mine)]))
                 grads.append([p.grad.clone() for p in model.parameters()])
                 opt.step()
                 params.append([p.detach().clone() for p in model.parameters()])
-        finally:
-            dist.all_reduce = real_all_reduce
-        return {"grads": grads, "params": params, "calls": calls, "buckets": len(buckets)}
+        sizes = [sum(p.numel() * p.element_size() for p in b) for b in buckets]
+        return {"grads": grads, "params": params, "steps": steps, "sizes": sizes}
 
     expected_grads, expected_params = _reference()
     for ws in world_sizes:
-        got = run_learner(learner, ws, name="attach_bucket_hooks", timeout=120)
+        got = run_learner(learner, ws, name="attach_bucket_hooks", timeout=60, trace=True)
         for rank in range(ws):
             r = got[rank]
             if "error" in r:
                 raise CheckFailed(f"attach_bucket_hooks {r['error']}: it must return the function "
                                   f"that waits for the buckets.")
-            expected_calls = STEPS * r["buckets"]
-            if r["calls"]["total"] != expected_calls:
-                raise CheckFailed(
-                    f"with world_size={ws}, rank {rank} called dist.all_reduce "
-                    f"{r['calls']['total']} times in {STEPS} steps; expected {expected_calls}: one "
-                    f"per bucket per step ({r['buckets']} buckets).")
-            if r["calls"]["during_backward"] != expected_calls:
-                raise CheckFailed(
-                    f"with world_size={ws}, rank {rank} launched only "
-                    f"{r['calls']['during_backward']} of {expected_calls} all_reduces during "
-                    f"backward: launch each bucket from the hook (async_op=True) so it overlaps "
-                    f"the rest of backward, and only wait in finish().")
-            if r["calls"]["async"] != expected_calls:
-                raise CheckFailed(
-                    f"with world_size={ws}, rank {rank} made {expected_calls - r['calls']['async']}"
-                    f" of its {expected_calls} all_reduces blocking: pass async_op=True so backward "
-                    f"goes on while the bucket travels, and wait for the handles in finish().")
+            for s, step in enumerate(r["steps"]):
+                _judge_step(step, r["sizes"], ws, rank, s)
             _compare_steps(r["grads"], expected_grads, "the gradient", ws, rank, _names())
             _compare_steps(r["params"], expected_params, "the parameter after the step", ws, rank,
                            _names())
-    passed(f"attach_bucket_hooks all-reduces one bucket at a time from inside backward, and every "
-           f"rank's gradients equal one process's on the whole batch ({sizes_phrase(world_sizes)} "
-           f"ranks).")
+    passed(f"attach_bucket_hooks all-reduces one bucket at a time from inside backward, each "
+           f"launched before backward reaches the next bucket, and every rank's gradients equal "
+           f"one process's on the whole batch ({sizes_phrase(world_sizes)} ranks).")
+
+
+def _judge_step(step, sizes, ws, rank, s):
+    where = f"with world_size={ws}, rank {rank}, step {s}"
+    ops = step["ops"]
+    if any(native for _, _, native, _, _ in ops):
+        raise CheckFailed(
+            f"{where}: the gradients were all-reduced from C++ (torch's DistributedDataParallel "
+            f"or similar); the exercise is to send the buckets from your own hooks.")
+    others = sorted({op for op, *_ in ops if op != "all_reduce"})
+    if others:
+        raise CheckFailed(f"{where} called {', '.join(others)}; averaging gradients needs only one "
+                          f"all_reduce per bucket.")
+    sent = [nbytes for _, nbytes, *_ in ops]
+    if len(sent) != len(sizes):
+        per_tensor = " (one per tensor? pack each bucket into one flat tensor)" \
+            if len(sent) > len(sizes) else ""
+        raise CheckFailed(
+            f"{where} made {len(sent)} all_reduce calls; expected {len(sizes)}: one per bucket"
+            f"{per_tensor}.")
+    for k, (got_bytes, want) in enumerate(zip(sent, sizes)):
+        if got_bytes != want:
+            raise CheckFailed(
+                f"{where}: all_reduce number {k} carried {got_bytes} bytes; bucket {k} holds "
+                f"{want} bytes of gradients, sent in order, bucket 0 (the last layer) first.")
+    if not any(during for *_, during in ops):
+        raise CheckFailed(
+            f"{where}: every all_reduce was launched after backward had finished, so nothing "
+            f"overlaps: launch each bucket from the hook of its last gradient, so it travels "
+            f"while backward computes the earlier layers; finish() only waits.")
+    for k in range(len(sizes) - 1):
+        launched = step["first_grad"].get(k + 1, 0)
+        if launched < k + 1:
+            raise CheckFailed(
+                f"{where}: when backward produced the first gradient of bucket {k + 1}, only "
+                f"{launched} bucket(s) had been launched: bucket {k} must leave as soon as its "
+                f"own last gradient is ready, before backward moves on (that is the overlap).")
+    for k, (_, _, _, _, during) in enumerate(ops):
+        if not during and k < len(ops) - 1:
+            raise CheckFailed(
+                f"{where}: bucket {k}'s all_reduce was launched after backward had finished: "
+                f"launch each bucket from the hook of its last gradient, so it travels while "
+                f"backward computes the earlier layers; finish() only waits.")
+    for k, (_, _, _, asynchronous, _) in enumerate(ops[:-1]):   # the last one: nothing to overlap
+        if not asynchronous:
+            raise CheckFailed(
+                f"{where}: bucket {k}'s all_reduce was waited for at once, so backward stopped "
+                f"until it arrived: pass async_op=True and wait for the handles in finish().")
+
+
+# ---- exercise 3: DistributedSampler and set_epoch -------------------------------------------------
+
+SAMPLES, EPOCHS = 12, 3          # 12 divides by 2 and 3: every sample exactly once per epoch
+
+
+def _reference_epochs(dataset, epochs):
+    """The indices this rank reads in each epoch (refused inside the learner's function)."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler)
+    out = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        out.append([int(i) for (b,) in loader for i in b])
+    return out
+
+
+def _as_epochs(value, epochs):
+    """The learner's answer as a list of lists of ints, or a sentence saying why it is not."""
+    if not isinstance(value, (list, tuple)) or len(value) != epochs:
+        return None, (f"returned {type(value).__name__}"
+                      f"{f' of length {len(value)}' if isinstance(value, (list, tuple)) else ''};"
+                      f" it must return one list of sample indices per epoch ({epochs} lists)")
+    out = []
+    for e, part in enumerate(value):
+        if isinstance(part, torch.Tensor):
+            part = part.reshape(-1).tolist()
+        try:
+            out.append([int(i) for i in part])
+        except (TypeError, ValueError):
+            return None, f"returned {type(part).__name__} for epoch {e}, not a list of indices"
+    return out, None
+
+
+def check_epoch_indices(fn, world_sizes=(2, 3)):
+    """fn(dataset, epochs) -> for each epoch, the list of sample indices this rank read.
+
+    The dataset is TensorDataset(torch.arange(12)): a sample's value is its index. Judged: every
+    sample read exactly once per epoch across the ranks, each rank its equal share, a shuffled
+    order that differs from epoch to epoch, and the same answer when the function runs again.
+    """
+    def learner(rank, world_size):
+        from torch.utils.data import TensorDataset
+        from . import forbid
+        data = TensorDataset(torch.arange(SAMPLES))
+        with forbid(_reference_epochs, exercise="build the loader and the epoch loop yourself"):
+            first, again = fn(data, EPOCHS), fn(data, EPOCHS)
+        first, error = _as_epochs(first, EPOCHS)
+        if error:
+            return {"error": error}
+        return {"epochs": first, "again": _as_epochs(again, EPOCHS)[0]}
+
+    for ws in world_sizes:
+        got = run_learner(learner, ws, name="epoch_indices", timeout=60)
+        for rank in range(ws):
+            if "error" in got[rank]:
+                raise CheckFailed(f"epoch_indices {got[rank]['error']} (rank {rank}).")
+        _judge_epochs([g["epochs"] for g in got], [g["again"] for g in got], ws)
+    passed(f"epoch_indices reads every sample exactly once per epoch, split across "
+           f"{sizes_phrase(world_sizes)} ranks, shuffled differently every epoch and the same "
+           f"when run again.")
+
+
+def _judge_epochs(per_rank, again, ws):
+    share = SAMPLES // ws
+    where = f"with world_size={ws}"
+    for e in range(EPOCHS):
+        for rank in range(ws):
+            read = per_rank[rank][e]
+            if len(read) == SAMPLES and ws > 1:
+                raise CheckFailed(
+                    f"{where}, rank {rank} read all {SAMPLES} samples in epoch {e}: a plain "
+                    f"DataLoader gives every rank the whole dataset; give it a DistributedSampler "
+                    f"so each rank reads its {share}.")
+            if len(read) != share:
+                raise CheckFailed(
+                    f"{where}, rank {rank} read {len(read)} samples in epoch {e}; {SAMPLES} samples "
+                    f"over {ws} ranks is {share} per rank.")
+        owners = {}
+        for rank in range(ws):
+            for i in per_rank[rank][e]:
+                owners.setdefault(i, []).append(rank)
+        twice = sorted(i for i, r in owners.items() if len(r) > 1)
+        if twice:
+            i = twice[0]
+            missing = sorted(set(range(SAMPLES)) - set(owners))
+            raise CheckFailed(
+                f"{where}, in epoch {e} sample {i} was read by ranks {owners[i][0]} and "
+                f"{owners[i][1]}{f' and sample {missing[0]} by none' if missing else ''}: the ranks "
+                f"must split the SAME permutation, so use the same seed on every rank and let the "
+                f"sampler take rank and world size from the process group.")
+        outside = sorted(i for i in owners if not 0 <= i < SAMPLES)
+        if outside:
+            raise CheckFailed(f"{where}, epoch {e} holds index {outside[0]}, which is not a "
+                              f"sample of the 12 (0..11): return the values read from the loader.")
+    unshuffled = [list(range(rank, SAMPLES, ws)) for rank in range(ws)]
+    if all(per_rank[r][0] == unshuffled[r] for r in range(ws)):
+        raise CheckFailed(f"{where}, epoch 0 reads the samples in order ({unshuffled[0]} on rank 0):"
+                          f" nothing was shuffled; pass shuffle=True to the sampler.")
+    for e in range(1, EPOCHS):
+        if all(per_rank[r][e] == per_rank[r][e - 1] for r in range(ws)):
+            raise CheckFailed(
+                f"{where}, epoch {e} repeats epoch {e - 1}'s order on every rank "
+                f"({per_rank[0][e]} on rank 0): call sampler.set_epoch(epoch) at the start of each "
+                f"epoch, or the sampler shuffles with the same seed every time.")
+    for rank in range(ws):
+        if again[rank] != per_rank[rank]:
+            raise CheckFailed(
+                f"{where}, rank {rank} read a different order when your function ran a second "
+                f"time: seed the shuffle (the same seed on every rank) so a run can be repeated.")
+
+
+# ---- exercise 4: global batch and learning rate -----------------------------------------------------
+
+# (world size, per-rank batch, the recipe's batch, the recipe's lr): both give global batch 12 at lr 0.1,
+# the trajectory of _reference(). The first splits the recipe's batch (lr unchanged), the second keeps
+# the per-rank batch of the recipe and doubles the global batch (linear scaling doubles lr).
+SCALING_CASES = ((3, 4, 12, 0.1), (2, 6, 6, 0.05))
+
+
+def check_scaled_training(fn, cases=SCALING_CASES):
+    """fn(model, x, y, per_rank_batch, base_batch, base_lr, steps): train on this rank with SGD.
+
+    x, y hold `steps` global batches in order. Judged per step: each rank's forward saw
+    per_rank_batch samples, the gradient used by the step is the mean over the global batch, the
+    optimizer's lr is base_lr scaled linearly by global / base batch, the gradients were reduced
+    over the ranks (trace), and the weights follow one process on the global batch.
+    """
+    def learner(rank, world_size, per_rank, base_batch, base_lr):
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
+        from .. import _tracer
+        from . import forbid
+        events = _tracer._active.events
+        model, (x, y) = _model(), _data()
+        params = list(model.parameters())
+        log = {"batches": [], "steps": [], "ops": []}
+        model.register_forward_pre_hook(lambda m, args: log["batches"].append(len(args[0])))
+
+        def before(opt, args, kwargs):
+            mine = [p for g in opt.param_groups for p in g["params"] if any(p is q for q in params)]
+            if mine:
+                log["steps"].append(dict(
+                    kind=type(opt).__name__, lr=[g["lr"] for g in opt.param_groups],
+                    grads=[p.grad.clone() if p.grad is not None else None for p in params]))
+
+        def after(opt, args, kwargs):
+            if log["steps"] and "params" not in log["steps"][-1]:
+                log["steps"][-1]["params"] = [p.detach().clone() for p in params]
+                log["steps"][-1]["ops"] = [(e["op"], e["native"]) for e in events]
+        handles = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+        try:
+            with forbid(*_forbidden(), exercise="average the gradients yourself"):
+                fn(model, x, y, per_rank, base_batch, base_lr, STEPS)
+        finally:
+            for h in handles:
+                h.remove()
+        return log
+
+    expected_grads, expected_params = _reference()
+    names = _names()
+    for ws, per_rank, base_batch, base_lr in cases:
+        glob = per_rank * ws
+        want_lr = base_lr * glob / base_batch
+        where = (f"with world_size={ws}, per-rank batch {per_rank} and the recipe (batch "
+                 f"{base_batch}, lr {base_lr})")
+        got = run_learner(learner, ws, per_rank, base_batch, base_lr, name="train_scaled",
+                          timeout=60, trace=True)
+        for rank in range(ws):
+            log = got[rank]
+            big = [b for b in log["batches"] if b != per_rank]
+            if big:
+                raise CheckFailed(
+                    f"{where}, rank {rank} ran forward on {big[0]} samples; each rank's batch is "
+                    f"per_rank_batch={per_rank}, its own slice of the global batch of {glob}.")
+            if len(log["steps"]) != STEPS:
+                raise CheckFailed(f"{where}, rank {rank} took {len(log['steps'])} optimizer "
+                                  f"steps; x holds {STEPS} global batches, one step each.")
+            ops = log["steps"][-1]["ops"]
+            if not any(op in ("all_reduce", "reduce_scatter", "allreduce") for op, _ in ops):
+                raise CheckFailed(
+                    f"{where}, rank {rank} never reduced anything over the ranks: each rank must "
+                    f"compute on its own slice only and average the gradients with all_reduce.")
+            for s, step in enumerate(log["steps"]):
+                _compare_step(step["grads"], expected_grads[s], "the gradient the optimizer used",
+                              ws, rank, names, s)
+                if step["kind"] != "SGD":
+                    raise CheckFailed(f"{where}, rank {rank} stepped with {step['kind']}; the "
+                                      f"recipe is plain torch.optim.SGD.")
+                if not all(abs(lr - want_lr) < 1e-12 for lr in step["lr"]):
+                    raise CheckFailed(
+                        f"{where}, rank {rank} used lr {step['lr'][0]:g} at step {s}: the global "
+                        f"batch is {per_rank} × {ws} = {glob}, {glob / base_batch:g}× the recipe's "
+                        f"{base_batch}, so linear scaling gives lr {want_lr:g}.")
+            _compare_steps([st["params"] for st in log["steps"]], expected_params,
+                           "the parameter after the step", ws, rank, names)
+    passed(f"train_scaled gives each rank its slice, scales lr with the global batch and follows "
+           f"one process on the global batch ({len(cases)} recipes).")
+
+
+# ---- exercise 5: a whole DDP class with no_sync -----------------------------------------------------
+
+def _micro_plan(ws):
+    """(micro-batches per step) for a rank's slice of the global batch of 12."""
+    return {2: 3, 3: 2}.get(ws, 1)
+
+
+def check_my_ddp(cls, world_sizes=(2, 3)):
+    """cls(module) -> a DDP wrapper: broadcasts rank 0's parameters at construction, averages
+    gradients from hooks during backward (done when backward returns), and has no_sync().
+
+    Each rank starts from DIFFERENT weights. Every step: k−1 micro-batches inside no_sync(), one
+    outside, each loss divided by k. Judged from the trace: nothing sent inside no_sync(); the
+    synced backward sends every gradient exactly once; weights equal rank 0's after
+    construction and follow one process on the whole batch.
+    """
+    def learner(rank, world_size):
+        import contextlib
+        from .. import _tracer
+        from . import forbid
+        from ..data_parallel import broadcast_parameters
+        events = _tracer._active.events
+        model = models.make_mlp(sizes=(16, 24, 20, 4), seed=3 + 100 * rank).double()
+        (x, y), k = _data(), _micro_plan(world_size)
+        log = {"steps": []}
+        with forbid(*_forbidden(), broadcast_parameters,
+                    exercise="write the DDP class yourself"):
+            start = len(events)
+            ddp = cls(model)
+            log["construct"] = [(e["op"], e["native"]) for e in events[start:]]
+            log["init"] = [p.detach().clone() for p in model.parameters()]
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for s in range(STEPS):
+                xb = shard_batch(x[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH], rank, world_size)
+                yb = shard_batch(y[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH], rank, world_size)
+                opt.zero_grad()
+                micro = []
+                for i, (xm, ym) in enumerate(zip(xb.chunk(k), yb.chunk(k))):
+                    inside = i < k - 1
+                    begin = len(events)
+                    with ddp.no_sync() if inside else contextlib.nullcontext():
+                        (F.mse_loss(ddp(xm), ym) / k).backward()
+                    micro.append((inside, [(e["op"], e["bytes"], e["native"])
+                                           for e in events[begin:]]))
+                log["steps"].append(dict(
+                    micro=micro, grads=[p.grad.clone() if p.grad is not None else None
+                                        for p in model.parameters()]))
+                opt.step()
+                log["steps"][-1]["params"] = [p.detach().clone() for p in model.parameters()]
+        log["grad_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        return log
+
+    expected_grads, expected_params = _reference()
+    names = _names()
+    initial = [p.detach() for p in _model().parameters()]
+    name = getattr(cls, "__name__", "MyDDP")
+    for ws in world_sizes:
+        got = run_learner(learner, ws, name=name, timeout=60, trace=True)
+        for rank in range(ws):                        # structure on every rank, then numbers
+            _judge_my_ddp(got[rank], ws, rank, names, initial, name)
+        for rank in range(ws):
+            _compare_steps([s["grads"] for s in got[rank]["steps"]], expected_grads,
+                           "the gradient when backward returned", ws, rank, names)
+            _compare_steps([s["params"] for s in got[rank]["steps"]], expected_params,
+                           "the parameter after the step", ws, rank, names)
+    passed(f"{name} broadcasts rank 0's weights, sends nothing inside no_sync(), sends every "
+           f"gradient once on the synced backward, and equals one process on the whole batch "
+           f"({sizes_phrase(world_sizes)} ranks, {_micro_plan(world_sizes[-1])}+ micro-batches).")
+
+
+def _judge_my_ddp(log, ws, rank, names, initial, name):
+    where = f"with world_size={ws}, rank {rank}"
+    every = log["construct"] + [(op, native) for st in log["steps"] for _, ops in st["micro"]
+                                for op, _, native in ops]
+    if any(native for _, native in every):
+        raise CheckFailed(
+            f"{where}: the gradients were sent from C++ (torch's DistributedDataParallel or "
+            f"similar); the exercise is to write the hooks of {name} yourself.")
+    for n, got, want in zip(names, log["init"], initial):
+        if not torch.equal(got, want):
+            raise CheckFailed(
+                f"{where}: after {name}(model) the parameter {n} still differs from rank 0's "
+                f"(each rank started from its own random weights): broadcast rank 0's parameters "
+                f"in __init__.")
+    for s, step in enumerate(log["steps"]):
+        for i, (inside, ops) in enumerate(step["micro"]):
+            if inside and ops:
+                raise CheckFailed(
+                    f"{where}, step {s}: the backward of micro-batch {i}, inside no_sync(), made "
+                    f"{len(ops)} {ops[0][0]} call(s); inside no_sync() nothing is sent: the "
+                    f"gradients only accumulate in p.grad until the next synced backward.")
+            if not inside:
+                others = sorted({op for op, _, _ in ops if op != "all_reduce"})
+                if others:
+                    raise CheckFailed(f"{where}, step {s}: the synced backward called "
+                                      f"{', '.join(others)}; averaging needs only all_reduce.")
+                sent = sum(b for _, b, _ in ops)
+                if sent != log["grad_bytes"]:
+                    times = sent / log["grad_bytes"]
+                    raise CheckFailed(
+                        f"{where}, step {s}: the synced backward all-reduced {sent} bytes; the "
+                        f"gradients hold {log['grad_bytes']} bytes ({times:.2g}×): every gradient "
+                        f"is sent exactly once per step, on the backward outside no_sync().")

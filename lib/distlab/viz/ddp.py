@@ -1,4 +1,4 @@
-"""Pictures of chapter 05, drawn from measured runs: the compute/communication timeline of one
+"""Pictures of chapter 05, drawn from runs (measured or emulated): the compute/communication timeline of one
 backward pass per bucket, a bucket-size sweep, loss curves and per-rank step times."""
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
@@ -19,9 +19,10 @@ def ddp_timeline(timeline, ax=None, title="one backward pass"):
     moment each bucket's last gradient was ready.
     """
     ax = _axes(ax)
-    ms = 1e3
     buckets = timeline["buckets"]
     end = timeline["backward_end"]
+    last = max([end] + [b["done"] for b in buckets])
+    unit, ms = ("µs", 1e6) if last < 1e-3 else ("ms", 1e3)     # `ms`: the scale of that unit
     ax.barh(0, end * ms, left=0, height=0.6, color=COMPUTE)
     for b in buckets:
         ax.plot([b["ready"] * ms] * 2, [-0.3, 0.3], color="white", lw=1.5)
@@ -29,15 +30,15 @@ def ddp_timeline(timeline, ax=None, title="one backward pass"):
         ax.barh(row, (b["done"] - b["launched"]) * ms, left=b["launched"] * ms, height=0.6,
                 color=COMM, edgecolor="black", lw=0.5)
         ax.text(b["done"] * ms, row, f" {b['nbytes'] / 2 ** 20:.1f} MiB", va="center", fontsize=8)
-    last = max([end] + [b["done"] for b in buckets])
     ax.axvline(end * ms, color=COMPUTE, ls=":", lw=1)
     ax.axvline(last * ms, color="black", ls="--", lw=1)
     ax.set_yticks(range(len(buckets) + 1),
                   ["backward"] + [f"bucket {b['index']}" for b in buckets])
     ax.invert_yaxis()
     ax.set_xlim(0, last * ms * 1.15)
-    ax.set_xlabel("milliseconds since backward began")
-    ax.set_title(f"{title}: gradients ready at {end * ms:.1f} ms, all synced at {last * ms:.1f} ms",
+    ax.set_xlabel(f"{unit} since backward began")
+    ax.set_title(f"{title}: gradients ready at {end * ms:.1f} {unit}, all synced at "
+                 f"{last * ms:.1f} {unit}",
                  fontsize=10)
     ax.legend(handles=[Patch(color=COMPUTE, label="backward compute"),
                        Patch(color=COMM, label="all_reduce of a bucket")],
@@ -45,17 +46,22 @@ def ddp_timeline(timeline, ax=None, title="one backward pass"):
     return ax
 
 
-def bucket_sweep(caps_mb, step_ms, n_buckets, ax=None):
-    """Step time against bucket size, each point labelled with its number of buckets."""
+def bucket_sweep(caps_mb, step_ms, n_buckets, ax=None, model_ms=None,
+                 ylabel="step time (ms, median)", title=None):
+    """Step time against bucket size, each point labelled with its number of buckets; `model_ms`
+    (optional) draws the cost model's prediction beside it."""
     ax = _axes(ax, (6, 3.5))
-    ax.plot(caps_mb, step_ms, "o-", color=COMM)
+    ax.plot(caps_mb, step_ms, "o-", color=COMM, label="run" if model_ms is None else "emulated run")
+    if model_ms is not None:
+        ax.plot(caps_mb, model_ms, "x--", color="black", lw=1, label="cost model")
+        ax.legend(fontsize=8, loc="upper right")
     for cap, t, n in zip(caps_mb, step_ms, n_buckets):
         ax.annotate(f"{n} bucket{'s' if n != 1 else ''}", (cap, t), textcoords="offset points",
                     xytext=(0, 7), ha="center", fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("bucket_cap_mb (log scale)")
-    ax.set_ylabel("step time (ms, median)")
-    ax.set_title("bucket size: many small messages vs little overlap", fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title or "bucket size: many small messages vs little overlap", fontsize=10)
     ax.margins(y=0.2)
     return ax
 

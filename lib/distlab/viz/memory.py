@@ -1,5 +1,6 @@
 """Stacked bars of where training memory goes, against a GPU's capacity."""
 import matplotlib.pyplot as plt
+from matplotlib.transforms import blended_transform_factory
 
 COLORS = {"weights": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868",
           "activations": "#C44E52"}
@@ -22,22 +23,26 @@ def memory_bars(columns, capacity=None, capacity_label="one 80 GB GPU", unit=1e9
         ax.text(i, total, f"{label} {unit_name}", ha="center", va="bottom", fontsize=9)
     if capacity is not None:
         ax.axhline(capacity / unit, color="black", linestyle="--", linewidth=1)
-        ax.text(len(labels) - 0.5, capacity / unit, f" {capacity_label}", va="bottom",
-                ha="right", fontsize=9)
+        # Just right of the axes, level with its line: clear of the bars and their totals.
+        ax.text(1.01, capacity / unit, capacity_label, va="center", ha="left", fontsize=9,
+                transform=blended_transform_factory(ax.transAxes, ax.transData))
     if log:
         ax.set_yscale("log")
     ax.set_ylabel(unit_name)
-    # Headroom above the tallest bar keeps the legend clear of the totals.
-    ax.set_ylim(top=max(bottoms + [capacity / unit if capacity else 0]) * 1.35)
-    ax.legend(loc="upper center", ncol=len(parts), fontsize=8, frameon=False)
+    # Headroom above the tallest bar for its total; the legend sits above the axes, between
+    # them and the title, where it can cover neither a bar nor a tick label.
+    ax.set_ylim(top=max(bottoms + [capacity / unit if capacity else 0]) * 1.12)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(parts), fontsize=8,
+              frameon=False, borderaxespad=0.2)
     if title:
-        ax.set_title(title)
+        ax.set_title(title, pad=22)
     return ax
 
 
 def memory_calculator():
-    """A widget: pick a model, precision, optimizer, ZeRO stage, GPUs, sequence and batch; see
-    what one GPU holds and whether it fits in 80 GB."""
+    """A widget: pick a model, precision, optimizer, ZeRO stage, GPUs, sequence and batch,
+    activation recomputation (none / selective / full) and the attention kernel (flash, or
+    materialized s×s scores); see what one GPU holds and whether it fits in 80 GB."""
     import ipywidgets as w
     from IPython.display import display
 
@@ -52,7 +57,9 @@ def memory_calculator():
                               description="GPUs"),
         seq_len=w.Dropdown(options=[512, 1024, 2048, 4096, 8192], value=2048),
         micro_batch=w.IntSlider(value=1, min=1, max=16, description="micro-batch"),
-        checkpointing=w.Checkbox(value=False, description="activation checkpointing"),
+        checkpointing=w.Dropdown(options=memory.RECOMPUTATION, value="none",
+                                 description="recompute"),
+        attention=w.Dropdown(options=memory.ATTENTION, value="flash"),
     )
 
     def draw(**kw):

@@ -84,17 +84,52 @@ def load_over_steps(fractions, ax=None, title=None):
 
 
 def dispatch_matrix(matrix, ax=None, title="rows sent by the dispatch all-to-all"):
-    """matrix[i][j]: rows rank i sends to rank j (the diagonal stays home)."""
+    """matrix[i][j]: rows rank i sends to rank j. The diagonal — rows whose expert lives on their
+    own rank — stays home and crosses no wire: drawn hatched and outlined, and labelled."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(3.6, 3.2))
+        _, ax = plt.subplots(figsize=(3.9, 3.6))
     m = np.asarray(matrix, dtype=float)
     ax.imshow(m, cmap="Blues", vmin=0, vmax=max(1.0, m.max()))
     for i in range(m.shape[0]):
         for j in range(m.shape[1]):
-            ax.text(j, i, f"{int(m[i, j])}", ha="center", va="center",
-                    color="white" if m[i, j] > 0.6 * m.max() else "black", fontsize=9)
+            home = i == j
+            if home:
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//",
+                                           edgecolor="#C44E52", linewidth=2))
+            ax.text(j, i, f"{int(m[i, j])}" + ("\nhome" if home else ""), ha="center",
+                    va="center", fontsize=9 if not home else 8,
+                    color="white" if m[i, j] > 0.6 * m.max() else "black",
+                    fontweight="bold" if home else None)
     ax.set_xticks(range(m.shape[1]), [f"to {j}" for j in range(m.shape[1])])
     ax.set_yticks(range(m.shape[0]), [f"from {i}" for i in range(m.shape[0])])
+    off = m.sum() - np.trace(m)
+    ax.set_title(f"{title}\nred diagonal: stays home ({int(np.trace(m))} rows); "
+                 f"off it: crosses a link ({int(off)})", fontsize=9)
+    return ax
+
+
+def step_vs_load(max_rows, step_us, model_us, ax=None, labels=None,
+                 title="MoE layer step vs the busiest rank's load (emulated)"):
+    """Emulated step time (points) against the rows the busiest rank received, beside the cost
+    model's prediction (line)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.4))
+    order = np.argsort(max_rows)
+    x = np.asarray(max_rows, dtype=float)[order]
+    ax.plot(x, np.asarray(model_us, dtype=float)[order], color="#C44E52", linestyle="--",
+            label="model: balanced step + extra rows × per-row expert cost")
+    ax.scatter(x, np.asarray(step_us, dtype=float)[order], color="#4C72B0", zorder=3,
+               label="emulated step (slowest rank)")
+    if labels is not None:
+        for xi, yi, text in zip(x, np.asarray(step_us, dtype=float)[order],
+                                np.asarray(labels, dtype=object)[order]):
+            ax.annotate(text, (xi, yi), textcoords="offset points", xytext=(-6, 4), fontsize=8,
+                        ha="right", va="bottom")
+    ax.set_xlim(x.min() - 0.15 * (x.max() - x.min()), x.max() + 0.05 * (x.max() - x.min()))
+    ax.set_xlabel("rows received by the busiest rank")
+    ax.set_ylabel("µs per forward + backward")
+    ax.set_ylim(0, 1.25 * max(max(step_us), max(model_us)))
+    ax.legend(fontsize=8, loc="lower right")
     ax.set_title(title, fontsize=10)
     return ax
 

@@ -88,7 +88,7 @@ def draw_ring(world_size=4, figsize=None):
 
 def plot_measured_vs_model(series, title="all_reduce: measured (dots) and α-β model (lines)"):
     """series: [{"label", "collective", "world_size", "sizes", "seconds", "link"}], log-log axes."""
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     for i, s in enumerate(series):
         color = f"C{i}"
         ax.loglog(s["sizes"], s["seconds"], "o", color=color, label=f"{s['label']} (measured)")
@@ -102,6 +102,7 @@ def plot_measured_vs_model(series, title="all_reduce: measured (dots) and α-β 
     ax.set_ylabel("seconds per call")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    # Beside the axes, never over a data point.
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig

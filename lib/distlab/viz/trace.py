@@ -42,7 +42,7 @@ def timeline(trace, ax=None, title=None, until=None, labels=True):
                   (" (modeled)" if trace.emulated is not None else " (measured on this machine)"))
     heading = title or "what every rank did"
     if trace.emulated is not None:
-        heading += f"\n{describe(trace.emulated)}"
+        heading += "\n" + describe(trace.emulated).lstrip("⏱ ")     # fonts lack the emoji
     ax.set_title(heading, fontsize=9)
     ax.legend(handles=[Patch(color=COMPUTE, label="compute"),
                        Patch(color=COMM, label="communication in flight"),

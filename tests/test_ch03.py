@@ -1,0 +1,362 @@
+"""Workbook 03's checkers judge the algorithm from the run's trace: right answers written in
+different ways pass; a "ring" through a root, a chain "tree", the course's own code and built-in
+collectives (however they are reached) are refused with a sentence naming the broken rule."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import all_reduce as imported_all_reduce   # imported before the check
+from torch.distributed import broadcast as imported_broadcast
+
+from distlab import collectives
+from distlab.checks import CheckFailed, ch03
+
+
+# ---- ring all-reduce: correct, written three ways -------------------------------------------------
+
+def ring_batched(tensor):
+    """batch_isend_irecv, a fresh output tensor, and chunk indices counted the other way."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = tensor.clone()
+    chunks = list(torch.tensor_split(out, n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(2 * (n - 1)):
+        send_c = (rank - step) % n
+        recv_c = (rank - step - 1) % n
+        incoming = torch.empty_like(chunks[recv_c])
+        ops = [dist.P2POp(dist.isend, chunks[send_c].contiguous(), right),
+               dist.P2POp(dist.irecv, incoming, left)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        if step < n - 1:
+            chunks[recv_c] += incoming
+        else:
+            chunks[recv_c].copy_(incoming)
+    return out
+
+
+def ring_by_parity(tensor):
+    """Blocking send/recv, even ranks send first and odd ranks receive first (odd N too)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = list(torch.tensor_split(tensor, n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+
+    dist.barrier()                 # lining up moves no data: allowed
+
+    def exchange(send_t, recv_t):
+        if rank % 2 == 0:
+            dist.send(send_t.contiguous(), right)
+            dist.recv(recv_t, left)
+        else:
+            dist.recv(recv_t, left)
+            dist.send(send_t.contiguous(), right)
+
+    for step in range(n - 1):
+        s, r = (rank - step - 1) % n, (rank - step - 2) % n
+        incoming = torch.empty_like(chunks[r])
+        exchange(chunks[s], incoming)
+        chunks[r] += incoming
+    for step in range(n - 1):
+        s, r = (rank - step) % n, (rank - step - 1) % n
+        incoming = torch.empty_like(chunks[r])
+        exchange(chunks[s], incoming)
+        chunks[r].copy_(incoming)
+    return tensor
+
+
+# (the workbook's own solution, with isend/irecv, passes under nbval)
+@pytest.mark.parametrize("fn", [ring_batched, ring_by_parity])
+def test_ring_all_reduce_accepts_correct_rings(fn, capsys):
+    ch03.check_ring_all_reduce(fn)
+    out = capsys.readouterr().out
+    assert out.startswith("✅") and "right neighbour" in out
+
+
+def _real_collectives(rank, world_size):
+    out = {"all_reduce": [], "all_gather": [], "reduce_scatter": [], "broadcast": []}
+    for n in ch03.LENGTHS:
+        t = ch03._data(rank, n)
+        pieces = [torch.empty(n) for _ in range(world_size)]
+        dist.all_gather(pieces, t)
+        out["all_gather"].append(pieces)
+        dist.all_reduce(t)
+        out["all_reduce"].append(t)
+        out["reduce_scatter"].append(torch.tensor_split(t, world_size)[rank])
+    for src in ch03._sources(world_size):
+        for n in ch03.LENGTHS:
+            t = ch03._data(rank, n)
+            dist.broadcast(t, src)
+            out["broadcast"].append(t)
+    return out
+
+
+def test_the_answer_key_is_what_torch_collectives_give():
+    real = ch03.run(_real_collectives, 5, timeout=60)
+    for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        key = getattr(ch03, f"_reference_{name}")(5)
+        for rank in range(5):
+            ch03.compare(real[rank][name], key[rank], f"{name}, rank {rank}", atol=0, rtol=0)
+
+
+# ---- ring all-reduce: wrong structure -------------------------------------------------------------
+
+def through_root(tensor):
+    """Right answer, wrong algorithm: everyone sends to rank 0, which sends the sum back."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        incoming = torch.empty_like(tensor)
+        for other in range(1, n):
+            dist.recv(incoming, other)
+            tensor += incoming
+        for other in range(1, n):
+            dist.send(tensor, other)
+    else:
+        dist.send(tensor, 0)
+        dist.recv(tensor, 0)
+    return tensor
+
+
+def whole_tensor_ring(tensor):
+    """Right answer, sent the right way round, but the whole tensor every step (N-1 times)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    passing, total = tensor.clone(), tensor.clone()
+    for _ in range(n - 1):
+        incoming = torch.empty_like(passing)
+        ops = [dist.P2POp(dist.isend, passing, (rank + 1) % n),
+               dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        total += incoming
+        passing = incoming
+    tensor.copy_(total)
+    return tensor
+
+
+def test_a_ring_through_a_root_is_refused():
+    # world_size=2: rank 1's right neighbour IS rank 0, so the size of its message gives it away.
+    with pytest.raises(CheckFailed, match=r"world_size=2, length 4: rank 0 sent 16 B "
+                                          r"\(4 float32 elements\) in one message to rank 1; in "
+                                          r"a ring every message is one chunk .* at most "
+                                          r"ceil\(4/2\) = 2 element"):
+        ch03.check_ring_all_reduce(through_root)
+
+
+def test_sending_the_whole_tensor_round_the_ring_is_refused():
+    with pytest.raises(CheckFailed, match=r"rank 0 sent 16 B .* in one message to rank 1; in a "
+                                          r"ring every message is one chunk"):
+        ch03.check_ring_all_reduce(whole_tensor_ring)
+
+
+def test_a_root_at_three_ranks_breaks_the_neighbour_rule():
+    trace = _trace_of(through_root, 3)
+    with pytest.raises(CheckFailed, match=r"rank 0 sent 4 B \(1 float32 element\) to rank 2; "
+                                          r"in a ring, rank 0 only sends to rank 1 \(its right "
+                                          r"neighbour\)"):
+        ch03._check_ring(trace, 3, [1], 4, "through_root", "a ring all-reduce")
+
+
+def _trace_of(fn, ws):
+    def one_case(rank, world_size, fn):
+        with ch03._trace.span("case 0"):
+            fn(ch03._data(rank, 1))
+    return ch03.run(one_case, ws, fn, trace=True, timeout=60).trace
+
+
+def test_a_ring_that_forgets_to_add_names_rank_and_element():
+    def copies_instead_of_adding(tensor):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        chunks = list(torch.tensor_split(tensor, n))
+        right, left = (rank + 1) % n, (rank - 1) % n
+        for step in range(2 * (n - 1)):
+            send_c, recv_c = (rank - step) % n, (rank - step - 1) % n
+            ops = [dist.P2POp(dist.isend, chunks[send_c], right),
+                   dist.P2POp(dist.irecv, chunks[recv_c], left)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        return tensor
+
+    with pytest.raises(CheckFailed, match=r"copies_instead_of_adding with world_size=2, length "
+                                          r"1: on rank 0, element \[0\]: expected 300, got 100"):
+        ch03.check_ring_all_reduce(copies_instead_of_adding)
+
+
+# ---- ring all-reduce: cheats ----------------------------------------------------------------------
+
+def course_ring(tensor):
+    return collectives.ring_all_reduce(tensor)
+
+
+def via_process_group(tensor):
+    dist.distributed_c10d._get_default_group().allreduce([tensor]).wait()
+    return tensor
+
+
+def via_imported_name(tensor):
+    imported_all_reduce(tensor)
+    return tensor
+
+
+def test_the_course_ring_is_refused():
+    with pytest.raises(CheckFailed, match=r"called the course's own ring_all_reduce; the "
+                                          r"exercise is to write the ring all-reduce"):
+        ch03.check_ring_all_reduce(course_ring)
+
+
+@pytest.mark.parametrize("fn", [via_process_group, via_imported_name])
+def test_built_in_collectives_are_refused_whatever_the_route(fn):
+    with pytest.raises(CheckFailed, match=r"rank 0 called the built-in collective all_reduce "
+                                          r".*build a ring all-reduce from send/recv"):
+        ch03.check_ring_all_reduce(fn)
+
+
+# ---- a deadlock is one sentence saying where every rank waits -------------------------------------
+
+def receive_first(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    incoming = torch.empty_like(tensor)
+    dist.recv(incoming, (rank - 1) % n)                    # every rank waits; nobody sends
+    dist.send(tensor, (rank + 1) % n)
+    return tensor + incoming
+
+
+def test_a_deadlocked_ring_says_where_each_rank_waits(monkeypatch):
+    monkeypatch.setattr(ch03, "TIMEOUT", 8)
+    with pytest.raises(CheckFailed) as caught:
+        ch03.check_ring_all_reduce(receive_first)
+    message = str(caught.value)
+    assert "receive_first with world_size=2 deadlocked" in message
+    for rank in (0, 1):
+        assert f"rank {rank} waits in recv at `dist.recv(incoming, (rank - 1) % n)`" in message
+    assert "post both before waiting on either" in message
+    assert "timeout" not in message
+
+
+# ---- the halves -----------------------------------------------------------------------------------
+
+def ring_all_gather(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    pieces = [torch.empty_like(tensor) for _ in range(n)]
+    pieces[rank] = tensor.clone()
+    for step in range(n - 1):
+        ops = [dist.P2POp(dist.isend, pieces[(rank - step) % n], (rank + 1) % n),
+               dist.P2POp(dist.irecv, pieces[(rank - step - 1) % n], (rank - 1) % n)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    return pieces
+
+
+def ring_reduce_scatter(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = [c.clone() for c in torch.tensor_split(tensor, n)]
+    for step in range(n - 1):
+        s, r = (rank - step - 1) % n, (rank - step - 2) % n
+        incoming = torch.empty_like(chunks[r])
+        handles = [dist.isend(chunks[s], (rank + 1) % n), dist.irecv(incoming, (rank - 1) % n)]
+        for h in handles:
+            h.wait()
+        chunks[r] += incoming
+    return chunks[rank]
+
+
+def gather_by_broadcasts(tensor):
+    """Right answer, but every rank broadcasts to all: N-1 messages out of the ring."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    pieces = [torch.empty_like(tensor) for _ in range(n)]
+    pieces[rank] = tensor.clone()
+    ops = [dist.P2POp(dist.isend, tensor, p) for p in range(n) if p != rank]
+    ops += [dist.P2POp(dist.irecv, pieces[p], p) for p in range(n) if p != rank]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    return pieces
+
+
+def test_the_halves_accept_rings_and_refuse_the_rest(capsys):
+    ch03.check_ring_all_gather(ring_all_gather)
+    ch03.check_ring_reduce_scatter(ring_reduce_scatter)
+    assert capsys.readouterr().out.count("✅") == 2
+    with pytest.raises(CheckFailed, match=r"world_size=3, length 1: rank 0 sent 4 B .* to rank "
+                                          r"2; in a ring, rank 0 only sends to rank 1"):
+        ch03.check_ring_all_gather(gather_by_broadcasts)
+    with pytest.raises(CheckFailed, match=r"own ring_reduce_scatter"):
+        ch03.check_ring_reduce_scatter(lambda t: collectives.ring_reduce_scatter(t))
+
+
+# ---- tree broadcast -------------------------------------------------------------------------------
+
+def binomial_halving(tensor, src):
+    """Another correct tree: the farthest half first (like MPI's), with isend/irecv."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    v = (rank - src) % n
+    mask = 1
+    while mask < n:
+        mask *= 2
+    mask //= 2
+    have = v == 0
+    while mask >= 1:
+        if have and v % (2 * mask) == 0 and v + mask < n:
+            dist.isend(tensor, (v + mask + src) % n).wait()
+        elif not have and v % (2 * mask) == mask:
+            dist.irecv(tensor, (v - mask + src) % n).wait()
+            have = True
+        mask //= 2
+    return tensor
+
+
+def chain(tensor, src):
+    """Right answer in N-1 rounds: each rank passes it to the next."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    v = (rank - src) % n
+    if v > 0:
+        dist.recv(tensor, (rank - 1) % n)
+    if v < n - 1:
+        dist.send(tensor, (rank + 1) % n)
+    return tensor
+
+
+def root_sends_all(tensor, src):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == src:
+        for other in range(n):
+            if other != src:
+                dist.send(tensor, other)
+    else:
+        dist.recv(tensor, src)
+    return tensor
+
+
+def test_tree_broadcast_accepts_another_binomial_tree(capsys):
+    ch03.check_tree_broadcast(binomial_halving)
+    assert capsys.readouterr().out.startswith("✅")
+
+
+def test_a_chain_is_not_a_tree():
+    with pytest.raises(CheckFailed, match=r"chain with world_size=5, src=0: the data took 4 "
+                                          r"rounds \(.*: 0→1, 1→2, 2→3, 3→4\); a binomial tree "
+                                          r"needs only ceil\(log2 5\) = 3"):
+        ch03.check_tree_broadcast(chain)
+
+
+def test_a_root_sending_to_everyone_is_not_a_tree():
+    with pytest.raises(CheckFailed, match=r"world_size=5, src=0: the data took 4 rounds "
+                                          r"\(.*: 0→1, 0→2, 0→3, 0→4\)"):
+        ch03.check_tree_broadcast(root_sends_all)
+
+
+def test_tree_cheats_are_refused():
+    with pytest.raises(CheckFailed, match="own tree_broadcast"):
+        ch03.check_tree_broadcast(lambda t, src: collectives.tree_broadcast(t, src))
+
+    def imported(t, src):
+        imported_broadcast(t, src)
+        return t
+
+    with pytest.raises(CheckFailed, match=r"called the built-in collective broadcast"):
+        ch03.check_tree_broadcast(imported)
+
+
+def test_stubs_give_one_line_not_implemented():
+    def stub(*args):
+        raise NotImplementedError("exercise: replace this line with your code")
+
+    for check in (ch03.check_ring_all_reduce, ch03.check_tree_broadcast):
+        with pytest.raises(NotImplementedError, match="is not written yet"):
+            check(stub)

@@ -1,0 +1,491 @@
+"""Checkers of workbook 05 judged as a learner would meet them: for each, a wrong structure, a
+cheat (the course's own implementation, or torch's DDP) and a correct answer written differently
+(an imported collective, ReduceOp.AVG), with the verdict asserted."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from distlab.checks import CheckFailed, RankFailed, ch05
+
+
+def _rejected(check, fn, *words, **kwargs):
+    with pytest.raises((CheckFailed, RankFailed)) as info:
+        check(fn, **kwargs)
+    message = str(info.value)
+    print(f"{getattr(fn, '__name__', fn)}: {message}")      # shown with pytest -s
+    for w in words:
+        assert w in message, message
+    return message
+
+
+# ---- exercise 1: average_gradients ---------------------------------------------------------------
+
+def average_with_imported_avg(model):
+    from torch.distributed import ReduceOp, all_reduce
+    for p in model.parameters():
+        all_reduce(p.grad, op=ReduceOp.AVG)
+
+
+def average_summed(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def average_slightly_off(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size() + 1e-6
+
+
+def average_by_the_course(model):
+    from distlab.data_parallel import average_gradients
+    average_gradients(model)
+
+
+def test_average_gradients_accepts_imported_avg(capsys):
+    ch05.check_average_gradients(average_with_imported_avg, world_sizes=(3,))
+    assert "✅" in capsys.readouterr().out
+
+
+def test_average_gradients_rejects_sum_tolerance_and_cheat():
+    _rejected(ch05.check_average_gradients, average_summed, "SUM", world_sizes=(2,))
+    # A checker with a loose tolerance would let a gradient 1e-6 off through.
+    _rejected(ch05.check_average_gradients, average_slightly_off, "expected", world_sizes=(2,))
+    _rejected(ch05.check_average_gradients, average_by_the_course, "the exercise is to",
+              world_sizes=(2,))
+
+
+# ---- exercise 2: bucketed hooks ------------------------------------------------------------------
+
+def _hooks(buckets, on_full):
+    pending = {}
+    for k, bucket in enumerate(buckets):
+        for p in bucket:
+            def hook(p, k=k):
+                left = pending.setdefault(k, {id(q) for q in buckets[k]})
+                left.discard(id(p))
+                if not left:
+                    del pending[k]
+                    on_full(k)
+            p.register_post_accumulate_grad_hook(hook)
+
+
+def buckets_imported_avg(model, buckets, world_size):
+    """Correct, written differently: imported all_reduce, ReduceOp.AVG, no division."""
+    from torch.distributed import ReduceOp, all_reduce
+    flight = {}
+
+    def send(k):
+        flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]])
+        flight[k] = (flat, all_reduce(flat, op=ReduceOp.AVG, async_op=True))
+    _hooks(buckets, send)
+    return _make_finish(buckets, flight)
+
+
+def _make_finish(buckets, flight):
+    def finish():
+        for k in sorted(flight):
+            flat, work = flight.pop(k)
+            work.wait()
+            offset = 0
+            for p in buckets[k]:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+    return finish
+
+
+def buckets_at_the_end(model, buckets, world_size):
+    """Wrong structure: every bucket sent only when finish() runs (zero overlap)."""
+    def finish():
+        for bucket in buckets:
+            flat = torch.cat([q.grad.reshape(-1) for q in bucket]) / world_size
+            dist.all_reduce(flat)
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+    return finish
+
+
+def buckets_one_late(model, buckets, world_size):
+    """Wrong structure: bucket k launched only when bucket k+1 starts (the last at the end)."""
+    flight, started = {}, set()
+
+    def send(k):
+        flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]]) / world_size
+        flight[k] = (flat, dist.all_reduce(flat, async_op=True))
+    ready = []
+
+    def on_full(k):
+        ready.append(k)
+    pending = {}
+    for k, bucket in enumerate(buckets):
+        for p in bucket:
+            def hook(p, k=k):
+                if k not in started:            # the first gradient of bucket k
+                    started.add(k)
+                    while ready:
+                        send(ready.pop(0))
+                left = pending.setdefault(k, {id(q) for q in buckets[k]})
+                left.discard(id(p))
+                if not left:
+                    del pending[k]
+                    ready.append(k)
+            p.register_post_accumulate_grad_hook(hook)
+    inner = _make_finish(buckets, flight)
+
+    def finish():
+        while ready:
+            send(ready.pop(0))
+        started.clear()
+        inner()
+    return finish
+
+
+def buckets_per_tensor(model, buckets, world_size):
+    """Wrong structure: one all_reduce per tensor instead of per bucket."""
+    flight = []
+    for p in model.parameters():
+        def hook(p):
+            p.grad /= world_size
+            flight.append(dist.all_reduce(p.grad, async_op=True))
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        while flight:
+            flight.pop().wait()
+    return finish
+
+
+def buckets_slightly_off(model, buckets, world_size):
+    """Right structure, gradients 1e-6 off: a loose tolerance would accept it."""
+    flight = {}
+
+    def send(k):
+        flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]]) / (world_size + 1e-6)
+        flight[k] = (flat, dist.all_reduce(flat, async_op=True))
+    _hooks(buckets, send)
+    return _make_finish(buckets, flight)
+
+
+def buckets_by_the_course(model, buckets, world_size):
+    from distlab.data_parallel import BucketedDDP
+    BucketedDDP(model, bucket_cap_mb=0.001)
+    return lambda: None
+
+
+def buckets_by_torch_ddp(model, buckets, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+    inner, busy = model.forward, [False]
+    wrapped = DistributedDataParallel(model)
+
+    def forward(x):                     # the harness calls model(x): route it through DDP
+        if busy[0]:
+            return inner(x)             # DDP calling the module back
+        busy[0] = True
+        try:
+            return wrapped(x)
+        finally:
+            busy[0] = False
+    model.forward = forward
+    return lambda: None
+
+
+def test_bucketed_hooks_accepts_imported_collective_with_avg(capsys):
+    ch05.check_bucketed_hooks(buckets_imported_avg, world_sizes=(2,))
+    assert "✅" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn, words", [
+    (buckets_at_the_end, ("after backward had finished", "nothing overlaps")),
+    (buckets_one_late, ("first gradient of bucket 1", "only 0 bucket(s)")),
+    (buckets_per_tensor, ("all_reduce calls", "one per bucket")),
+    (buckets_slightly_off, ("expected",)),
+    (buckets_by_the_course, ("BucketedDDP", "the exercise is to")),
+    (buckets_by_torch_ddp, ("C++", "own hooks")),
+])
+def test_bucketed_hooks_rejects(fn, words):
+    _rejected(ch05.check_bucketed_hooks, fn, *words, world_sizes=(2,))
+
+
+# ---- exercise 3: DistributedSampler with set_epoch ------------------------------------------------
+
+def epochs_with_sampler(dataset, epochs):
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=4, sampler=sampler)
+    out = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        out.append(torch.cat([b for (b,) in loader]))      # tensors, not lists: accepted
+    return out
+
+
+def epochs_by_hand(dataset, epochs):
+    """Correct, written differently: one shared permutation per epoch, every N-th element."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    return [torch.randperm(len(dataset), generator=torch.Generator().manual_seed(7 + e))
+            [rank::ws].tolist() for e in range(epochs)]
+
+
+def epochs_no_set_epoch(dataset, epochs):
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+    loader = DataLoader(dataset, batch_size=2, sampler=DistributedSampler(dataset, seed=0))
+    return [[int(i) for (b,) in loader for i in b] for _ in range(epochs)]
+
+
+def epochs_plain_loader(dataset, epochs):
+    from torch.utils.data import DataLoader
+    loader = DataLoader(dataset, batch_size=2, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    return [[int(i) for (b,) in loader for i in b] for _ in range(epochs)]
+
+
+def epochs_seed_per_rank(dataset, epochs):
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+    sampler = DistributedSampler(dataset, seed=dist.get_rank())
+    out = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        out.append([int(i) for (b,) in DataLoader(dataset, sampler=sampler) for i in b])
+    return out
+
+
+def epochs_by_the_checker(dataset, epochs):
+    return ch05._reference_epochs(dataset, epochs)
+
+
+@pytest.mark.parametrize("fn", [epochs_with_sampler, epochs_by_hand])
+def test_epoch_indices_accepts(fn, capsys):
+    ch05.check_epoch_indices(fn, world_sizes=(3,))
+    assert "✅" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn, words", [
+    (epochs_no_set_epoch, ("epoch 1 repeats epoch 0", "set_epoch")),
+    (epochs_plain_loader, ("read all 12 samples", "DistributedSampler")),
+    (epochs_seed_per_rank, ("was read by ranks", "same seed")),
+    (epochs_by_the_checker, ("_reference_epochs", "the exercise is to")),
+])
+def test_epoch_indices_rejects(fn, words):
+    _rejected(ch05.check_epoch_indices, fn, *words, world_sizes=(3,))
+
+
+# ---- exercise 4: global batch and learning rate ---------------------------------------------------
+
+def _scaled_loop(model, x, y, per_rank, base_batch, base_lr, steps, lr_of, sync):
+    import torch.nn.functional as F
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    glob = per_rank * ws
+    opt = torch.optim.SGD(model.parameters(), lr=lr_of(base_lr, glob, base_batch, ws))
+    for s in range(steps):
+        lo = s * glob + rank * per_rank
+        opt.zero_grad()
+        F.mse_loss(model(x[lo:lo + per_rank]), y[lo:lo + per_rank]).backward()
+        sync(model, ws)
+        opt.step()
+
+
+def _linear(base_lr, glob, base_batch, ws):
+    return base_lr * glob / base_batch
+
+
+def _avg(model, ws):
+    from torch.distributed import ReduceOp, all_reduce
+    for p in model.parameters():
+        all_reduce(p.grad, op=ReduceOp.AVG)
+
+
+def scaled_correct(model, x, y, per_rank, base_batch, base_lr, steps):
+    _scaled_loop(model, x, y, per_rank, base_batch, base_lr, steps, _linear, _avg)
+
+
+def scaled_with_torch_ddp(model, x, y, per_rank, base_batch, base_lr, steps):
+    """Correct, written differently: torch's DDP averages, strided slices instead of contiguous."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    glob = per_rank * ws
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=base_lr * per_rank * ws / base_batch)
+    for s in range(steps):
+        xs, ys = x[s * glob:(s + 1) * glob][rank::ws], y[s * glob:(s + 1) * glob][rank::ws]
+        opt.zero_grad()
+        F.mse_loss(ddp(xs), ys).backward()
+        opt.step()
+
+
+def scaled_lr_unchanged(model, x, y, per_rank, base_batch, base_lr, steps):
+    _scaled_loop(model, x, y, per_rank, base_batch, base_lr, steps,
+                 lambda lr, glob, base, ws: lr, _avg)
+
+
+def scaled_summed(model, x, y, per_rank, base_batch, base_lr, steps):
+    """The sum of gradients with lr / N takes the same steps, but the gradient is N× too large
+    (wrong with Adam, weight decay or clipping): caught on the gradient itself."""
+    def sync(model, ws):
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+    _scaled_loop(model, x, y, per_rank, base_batch, base_lr, steps,
+                 lambda lr, glob, base, ws: _linear(lr, glob, base, ws) / ws, sync)
+
+
+def scaled_whole_batch_everywhere(model, x, y, per_rank, base_batch, base_lr, steps):
+    """Wrong structure: every rank computes the whole global batch, nothing is communicated."""
+    import torch.nn.functional as F
+    glob = per_rank * dist.get_world_size()
+    opt = torch.optim.SGD(model.parameters(), lr=base_lr * glob / base_batch)
+    for s in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(x[s * glob:(s + 1) * glob]), y[s * glob:(s + 1) * glob]).backward()
+        opt.step()
+
+
+def scaled_by_the_course(model, x, y, per_rank, base_batch, base_lr, steps):
+    from distlab.data_parallel import average_gradients
+    _scaled_loop(model, x, y, per_rank, base_batch, base_lr, steps, _linear,
+                 lambda m, ws: average_gradients(m))
+
+
+@pytest.mark.parametrize("fn", [scaled_correct, scaled_with_torch_ddp])
+def test_scaled_training_accepts(fn, capsys):
+    ch05.check_scaled_training(fn)
+    assert "✅" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn, words", [
+    (scaled_lr_unchanged, ("used lr 0.05", "linear scaling gives lr 0.1")),
+    (scaled_summed, ("SUM", "divide by the world size")),
+    (scaled_whole_batch_everywhere, ("ran forward on 12 samples", "per_rank_batch=4")),
+    (scaled_by_the_course, ("average_gradients", "the exercise is to")),
+])
+def test_scaled_training_rejects(fn, words):
+    _rejected(ch05.check_scaled_training, fn, *words)
+
+
+# ---- exercise 5: MyDDP with no_sync -----------------------------------------------------------------
+
+import contextlib  # noqa: E402
+
+import torch.nn as nn  # noqa: E402
+
+
+class DDPPerParam(nn.Module):
+    """Correct: broadcast, one synchronous all_reduce per parameter, a flag for no_sync."""
+    sync_in_no_sync = False
+    broadcast = True
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.sync = module, True
+        if self.broadcast:
+            for p in module.parameters():
+                dist.broadcast(p.data, src=0)
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p):
+        if self.sync or self.sync_in_no_sync:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+
+class DDPOneBucket(nn.Module):
+    """Correct, written differently: imported collectives, ReduceOp.AVG, one flat bucket sent from
+    a callback queued at the end of backward."""
+    def __init__(self, module):
+        super().__init__()
+        from torch.distributed import broadcast
+        self.module, self.skip = module, False
+        for p in module.parameters():
+            broadcast(p.detach(), 0)
+        self.queued = False
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p):
+        if not self.skip and not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._sync)
+
+    def _sync(self):
+        from torch.distributed import ReduceOp, all_reduce
+        self.queued = False
+        params = list(self.module.parameters())
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        all_reduce(flat, op=ReduceOp.AVG)
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
+
+    def forward(self, x):
+        return self.module(x)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.skip = True
+        yield
+        self.skip = False
+
+
+class DDPSyncsAlways(DDPPerParam):
+    sync_in_no_sync = True
+
+
+class DDPNoBroadcast(DDPPerParam):
+    broadcast = False
+
+
+class DDPCourse(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        from distlab.data_parallel import BucketedDDP
+        self.inner = BucketedDDP(module)
+
+    def forward(self, x):
+        return self.inner(x)
+
+    def no_sync(self):
+        return self.inner.no_sync()
+
+
+class DDPTorch(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        from torch.nn.parallel import DistributedDataParallel
+        self.inner = DistributedDataParallel(module)
+
+    def forward(self, x):
+        return self.inner(x)
+
+    def no_sync(self):
+        return self.inner.no_sync()
+
+
+@pytest.mark.parametrize("cls", [DDPPerParam, DDPOneBucket])
+def test_my_ddp_accepts(cls, capsys):
+    ch05.check_my_ddp(cls, world_sizes=(3,))
+    assert "✅" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cls, words", [
+    (DDPSyncsAlways, ("inside no_sync()", "nothing is sent")),
+    (DDPNoBroadcast, ("still differs from rank 0's", "broadcast rank 0's parameters")),
+    (DDPCourse, ("BucketedDDP", "the exercise is to")),
+    (DDPTorch, ("C++", "yourself")),
+])
+def test_my_ddp_rejects(cls, words):
+    _rejected(ch05.check_my_ddp, cls, *words, world_sizes=(3,))
