@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.distlab-installed
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300
 
-.PHONY: lab test regen exercises install bench clean
+.PHONY: lab test regen exercises install bench gpu-check clean
 
 install: $(STAMP)
 
@@ -34,6 +34,11 @@ exercises: $(STAMP)
 
 bench: $(STAMP)
 	for b in bench/*.py; do $(PY) $$b || exit 1; done
+
+# Every strategy on the GPUs (NCCL) against the CPU reference; says so and exits 0 without a GPU.
+# `make gpu-check ARGS=--cpu` runs the same table on gloo with CPU ranks.
+gpu-check: $(STAMP)
+	$(PY) -m distlab.gpu_check $(ARGS)
 
 clean:
 	rm -rf $(VENV) lib/*.egg-info

@@ -1,6 +1,7 @@
 """Pipeline parallelism: schedules, simulator, and every schedule equal to one process."""
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import distlab
@@ -35,20 +36,47 @@ def test_interleaved_bubble_shrinks_by_v(p, m, v):
     assert ps.bubble_fraction(timeline) < ps.theory_bubble(p, m)
 
 
-@pytest.mark.parametrize("p, m", [(2, 1), (2, 5), (3, 4), (4, 4), (4, 8), (5, 7)])
-def test_zero_bubble_beats_1f1b_at_the_same_memory(p, m):
-    zb = ps.zero_bubble(p, m)
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 5), (3, 4), (4, 4), (4, 8), (5, 7), (6, 7), (4, 2)])
+def test_zb_h1_a_third_of_1f1b_idle_time_at_1f1b_peak_memory(p, m):
+    zb = ps.zb_h1(p, m)
     assert {a.kind for s in zb for a in s} == {"F", "I", "W"}
-    bubble = ps.bubble_fraction(ps.simulate(zb, m, t_f=1, t_b=2, t_w=1))
-    assert bubble < ps.theory_bubble(p, m) - 0.01
-    assert [ps.peak_in_flight(s) for s in zb] == [min(p - r, m) for r in range(p)]
-    # Unlimited memory: every W can wait, and once m >= p the bubble falls to the forward +
-    # input-grad ramp alone.
-    if m < p:
-        return
-    free = ps.zero_bubble(p, m, max_in_flight=m)
-    bubble = ps.bubble_fraction(ps.simulate(free, m, t_f=1, t_b=2, t_w=1))
-    assert bubble == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+    # Never more micro-batches on a stage than 1F1B's first stage holds: 1F1B's peak memory.
+    ofob_peak = max(ps.peak_in_flight(s) for s in ps.one_f_one_b(p, m))
+    assert max(ps.peak_in_flight(s) for s in zb) == ofob_peak == min(p, m)
+    timeline = ps.simulate(zb, m, t_f=1, t_b=2, t_w=1)
+    bubble = ps.bubble_fraction(timeline)
+    if p > 1:
+        assert bubble < ps.theory_bubble(p, m) - 0.01
+    if m >= p:   # idle time per stage: p - 1 slots against 1F1B's 3 (p - 1)
+        assert bubble == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+        assert bubble == pytest.approx(ps.theory("ZB-H1", p, m), abs=1e-12)
+        span = max(e["end"] for e in timeline)
+        assert span * p - 3 * m * p == pytest.approx(p * (p - 1), abs=1e-9)
+    # W no longer than F or I: the general formula holds too.
+    if m >= p:
+        t = ps.simulate(zb, m, t_f=1.5, t_b=2.5, t_w=1)
+        assert ps.bubble_fraction(t) == pytest.approx(ps.zb_h1_bubble(p, m, 1.5, 1.5, 1),
+                                                      abs=1e-12)
+
+
+def test_zb_h1_at_p4_m8_delays_w_by_the_stage_index():
+    zb = ps.zb_h1(4, 8)
+    assert ps.bubble_fraction(ps.simulate(zb, 8, t_f=1, t_b=2, t_w=1)) == pytest.approx(1 / 9)
+    assert [ps.peak_in_flight(s) for s in zb] == [4, 4, 4, 4]
+    assert [repr(a) for a in zb[0][:7]] == ["F0", "F1", "F2", "F3", "I0", "W0", "F4"]
+    for r, actions in enumerate(zb):    # W_j right after I_(j + r), the rest at the end
+        order = [repr(a) for a in actions]
+        for j in range(8 - r):
+            assert order[order.index(f"I{j + r}") + 1] == f"W{j}"
+        assert order[-r or len(order):] == [f"W{j}" for j in range(8 - r, 8)]
+
+
+@pytest.mark.parametrize("p, v", [(2, 2), (4, 2), (4, 3), (3, 2)])
+def test_interleaved_activation_memory(p, v):
+    """Interleaving holds 1 + (p - 1)/(p v) times 1F1B's activations on the first stage."""
+    m = 2 * p
+    chunks = ps.peak_in_flight(ps.interleaved_1f1b(p, m, v)[0])   # each 1/v of a stage's
+    assert (chunks / v) / p == pytest.approx(1 + (p - 1) / (p * v), abs=1e-12)
 
 
 def test_simulator_timing_follows_dependencies():
@@ -108,7 +136,7 @@ CASES = [  # schedule, stages, micro-batches, batch size, chunks per stage
     ("1F1B", 2, 3, 24, 1), ("1F1B", 3, 5, 23, 1), ("1F1B", 4, 8, 24, 1), ("1F1B", 4, 2, 9, 1),
     ("interleaved 1F1B", 2, 4, 22, 2), ("interleaved 1F1B", 4, 4, 24, 2),
     ("interleaved 1F1B", 3, 3, 17, 2),
-    ("zero bubble", 2, 4, 24, 1), ("zero bubble", 3, 5, 23, 1), ("zero bubble", 4, 6, 24, 1),
+    ("ZB-H1", 2, 4, 24, 1), ("ZB-H1", 3, 5, 23, 1), ("ZB-H1", 4, 6, 24, 1),
 ]
 
 
@@ -133,7 +161,7 @@ def test_schedule_equals_one_process(name, p, m, batch, v):
                 torch.testing.assert_close(w, exp["params"][n], rtol=1e-12, atol=1e-14)
     for r in got:   # the recorded timeline: every action once, in order, never overlapping
         timeline = r[-1]["timeline"]
-        assert len(timeline) == (3 if name == "zero bubble" else 2) * m * v
+        assert len(timeline) == (3 if name == "ZB-H1" else 2) * m * v
         for a, b in zip(timeline, timeline[1:]):
             assert 0 <= a["start"] <= a["end"] <= b["start"]
 
@@ -165,6 +193,151 @@ def test_too_many_microbatches_is_one_sentence():
         distlab.run(_too_many_microbatches, 2, timeout=120)
 
 
+# ---- every schedule at odd sizes, and with stages that hold no parameters ------------------------
+
+def _schedule_and_v(name, p, m):
+    schedule = ps.SCHEDULES[name](p, m)
+    return schedule, 1 + max(a.chunk for stage in schedule for a in stage)
+
+
+def _assert_matches_reference(name, got, expected):
+    """Loss on exactly one rank, every parameter on exactly one rank, grads and weights equal."""
+    names = [n for r in got for n in r[0]["grads"]]
+    assert sorted(names) == sorted(expected[0]["grads"]), name
+    for step, exp in enumerate(expected):
+        where = f"{name}, step {step}"
+        losses = [r[step]["loss"] for r in got if r[step]["loss"] is not None]
+        assert len(losses) == 1, where
+        assert losses[0] == pytest.approx(exp["loss"], rel=1e-12, abs=1e-14), where
+        for r in got:
+            for n, g in r[step]["grads"].items():
+                torch.testing.assert_close(g, exp["grads"][n], rtol=1e-12, atol=1e-14,
+                                           msg=f"{where}: gradient of {n}")
+                torch.testing.assert_close(r[step]["params"][n], exp["params"][n], rtol=1e-12,
+                                           atol=1e-14, msg=f"{where}: {n}")
+
+
+def _micro_batches(p):
+    return p if p > 1 else 3       # a multiple of p (interleaved), and more than one
+
+
+def _every_schedule(rank, world_size, batches, make_model):
+    m = _micro_batches(world_size)
+    out = {}
+    for name in ps.SCHEDULES:
+        _, v = _schedule_and_v(name, world_size, m)
+        out[name] = pp.train(rank, world_size, lambda p, mm, name=name: ps.SCHEDULES[name](p, mm),
+                             make_model(world_size * v), batches, m, (SIZES[0],), v=v, lr=LR,
+                             dtype=torch.float64)
+    return out
+
+
+def _mlp(n_pieces):
+    return make_mlp(SIZES, seed=0)
+
+
+@pytest.mark.parametrize("p", [1, 5, 6])
+def test_every_schedule_equals_one_process_at_1_5_and_6_stages(p):
+    # 23 samples: the micro-batches are unequal at every p here.
+    x, y = regression_data(64, SIZES[0], SIZES[-1], seed=1)
+    batches = batches_of(x, y, 23, 2)
+    expected = _reference(batches)
+    results = distlab.run(_every_schedule, p, batches, _mlp, timeout=120)
+    for name in ps.SCHEDULES:
+        _assert_matches_reference(name, [r[name] for r in results], expected)
+
+
+class _Net(nn.Module):
+    """Flatten, then Linear and GELU in turn: pieces 0 (Flatten) and 2, 4, ... (GELU) hold no
+    parameters, so the first stage and a middle stage of a one-layer-per-piece cut have none."""
+
+    def __init__(self, n_pieces):
+        super().__init__()
+        widths = [SIZES[0]] + [12] * (n_pieces // 2 - 1) + [SIZES[-1]]
+        layers = [nn.Flatten()]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)     # the same weights in every process
+            for i, (a, b) in enumerate(zip(widths, widths[1:])):
+                layers += [nn.GELU()] if i else []
+                layers.append(nn.Linear(a, b))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_stages_without_parameters_work_in_every_schedule():
+    p = 4
+    x, y = regression_data(24, SIZES[0], SIZES[-1], seed=1)
+    x = x.view(24, 2, SIZES[0] // 2)                 # (2, 8) samples: the first piece flattens
+    batches = [(x, y)]
+    results = distlab.run(_every_schedule, p, batches, _Net, timeout=120)
+    for name in ps.SCHEDULES:
+        _, v = _schedule_and_v(name, p, _micro_batches(p))
+        model = _Net(p * v).double()
+        assert len(model.net) == p * v and not list(model.net[0].parameters())
+        assert not list(model.net[2].parameters())  # a middle stage without parameters
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        loss = F.mse_loss(model(x.double()), y.double())
+        loss.backward()
+        grads = {f"net.{n}": q.grad.clone() for n, q in model.net.named_parameters()}
+        opt.step()
+        params = {f"net.{n}": q.detach().clone() for n, q in model.net.named_parameters()}
+        _assert_matches_reference(name, [r[name] for r in results],
+                                  [dict(loss=loss.item(), grads=grads, params=params)])
+
+
+# ---- every stage talks to the right neighbours (no processes: a recording transport) ----------------
+
+def _expected_messages(actions, rank, p, v):
+    """What stage `rank` must send and receive, in order, computed from the schedule alone."""
+    n, out = p * v, []
+    for a in actions:
+        vs = a.chunk * p + rank
+        before, after = vs > 0 and p > 1, vs < n - 1 and p > 1
+        if a.kind == "F":
+            out += [("recv activation", (vs - 1) % p)] if before else []
+            out += [("send activation", (vs + 1) % p)] if after else []
+        elif a.kind in "BI":
+            out += [("recv gradient", (vs + 1) % p)] if after else []
+            out += [("send gradient", (vs - 1) % p)] if before else []
+    return out
+
+
+class _Recorder:
+    """Stands in for send/recv: records the peer, returns zeros, never waits."""
+
+    def __init__(self):
+        self.messages = []
+
+    def recv(self, tensor, src=None, group=None, **kw):
+        self.messages.append(("recv", src))
+        tensor.zero_()
+
+    def isend(self, tensor, dst=None, group=None, **kw):
+        self.messages.append(("send", dst))
+        return type("Done", (), {"wait": lambda self: None})()
+
+
+@pytest.mark.parametrize("p", [3, 4, 5])
+def test_every_stage_sends_to_and_receives_from_its_neighbours(p, monkeypatch):
+    """A wrong neighbour would make the real run hang; recorded here, it fails in a second."""
+    x, y = regression_data(2 * p, SIZES[0], SIZES[-1], seed=1)
+    monkeypatch.setattr(pp, "_common_clock", lambda group: 0.0)
+    for name in ps.SCHEDULES:
+        schedule, v = _schedule_and_v(name, p, p)
+        parts = pp.split_model(make_mlp(SIZES, seed=0).net, p * v)
+        for rank in range(p):
+            recorder = _Recorder()
+            monkeypatch.setattr(pp.dist, "recv", recorder.recv)
+            monkeypatch.setattr(pp.dist, "isend", recorder.isend)
+            stage = pp.PipelineStage(parts, rank, p, (SIZES[0],))
+            stage.step(schedule[rank], x, y, p, F.mse_loss)
+            expected = _expected_messages(schedule[rank], rank, p, v)
+            assert recorder.messages == [(what.split()[0], peer) for what, peer in expected], \
+                f"{name}, p={p}: stage {rank} talked to the wrong stages"
+
+
 # ---- torch.distributed.pipelining gives the same loss ----------------------------------------------
 
 def _native(rank, world_size, schedule_name, batch, m):
@@ -186,11 +359,13 @@ def _native(rank, world_size, schedule_name, batch, m):
     return [l.item() for l in losses], grads
 
 
-@pytest.mark.parametrize("schedule_name", ["ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"])
-def test_torch_pipelining_matches_the_reference(schedule_name):
+@pytest.mark.parametrize("schedule_name, p", [("ScheduleInterleaved1F1B", 2),
+                                               ("ScheduleInterleaved1F1B", 3),
+                                               ("ScheduleZBVZeroBubble", 3)])
+def test_torch_pipelining_matches_the_reference(schedule_name, p):
     x, y = regression_data(24, SIZES[0], SIZES[-1], seed=1)
-    m = 4
-    got = distlab.run(_native, 2, schedule_name, (x, y), m, timeout=120)
+    m = 2 * p
+    got = distlab.run(_native, p, schedule_name, (x, y), m, timeout=120)
     expected = _reference([(x, y)])[0]
     losses = [l for r in got for l in r[0]]
     assert len(losses) == m

@@ -142,7 +142,7 @@ class ExpertParallelMoE(nn.Module):
     def _run_local_experts(self, received, incoming):
         # Rows arrive grouped by source rank, and inside each by local expert: regroup them by
         # expert, run each expert once on all its rows, and put the outputs back in arrival order.
-        expert_of_row = torch.arange(self.n_local).repeat(self.ep_size)
+        expert_of_row = torch.arange(self.n_local, device=received.device).repeat(self.ep_size)
         expert_of_row = expert_of_row.repeat_interleave(incoming.reshape(-1))
         by_expert = torch.argsort(expert_of_row, stable=True)
         sizes = torch.bincount(expert_of_row, minlength=self.n_local).tolist()

@@ -8,7 +8,8 @@ A schedule is a list of actions per stage (distlab.pipeline_schedules). `step` r
 list in order: a forward receives its input from the previous virtual stage and sends its output
 to the next; a backward receives the output's gradient and sends the input's gradient back.
 Sends are non-blocking (isend) so a stage never waits for its neighbour to pick a tensor up;
-receives block, which is where the bubbles are. Every action's start and end are recorded.
+receives block, which is where the bubbles are. Every action's start and end are recorded
+(on the rank's virtual clock when the run is emulated: distlab.run(..., emulate=...)).
 """
 import time
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .launch import device
+from . import trace
 from .pipeline_schedules import normalize
 
 
@@ -122,7 +124,7 @@ class PipelineStage:
                     inp = state[(a.chunk - 1, mb)]["out"].detach().requires_grad_()
                 else:
                     inp = self._recv((n_mb, *self.shapes[vs - 1]), vs - 1).requires_grad_()
-                start = time.perf_counter()
+                start = _now()
                 held[key] = 0
 
                 def pack(t, key=key):
@@ -151,11 +153,14 @@ class PipelineStage:
                         s["grad"] = state[(a.chunk + 1, mb)]["inp"].grad
                     else:
                         s["grad"] = self._recv((n_mb, *self.shapes[vs]), vs + 1)
-                start = time.perf_counter()
+                start = _now()
                 if a.kind == "B":
-                    _vjp_root(s["out"], s["grad"]).backward()
-                elif a.kind == "I" and vs > 0:
-                    # retain_graph: W walks the same graph again for the weights.
+                    # A first piece without parameters (Flatten) has nothing to differentiate.
+                    if s["out"].requires_grad:
+                        _vjp_root(s["out"], s["grad"]).backward()
+                elif a.kind == "I" and s["inp"].requires_grad:
+                    # retain_graph: W walks the same graph again for the weights. (The first
+                    # stage skips I unless its input x requires grad, as B would.)
                     (s["inp"].grad,) = torch.autograd.grad(_vjp_root(s["out"], s["grad"]),
                                                            [s["inp"]], retain_graph=True)
                 elif a.kind == "W":
@@ -171,10 +176,16 @@ class PipelineStage:
                     if vs == 0 or (vs - 1) % self.p != self.rank:
                         del state[key]   # the piece before on this rank still reads inp.grad
             self.timeline.append(dict(stage=self.rank, kind=a.kind, mb=mb, chunk=a.chunk,
-                                      start=start - t0, end=time.perf_counter() - t0))
+                                      start=start - t0, end=_now() - t0))
         for work, _ in self._pending:
             work.wait()
         return total
+
+
+def _now():
+    """The rank's clock: virtual under emulation (distlab.trace.now), else the machine's clock,
+    which every process on one machine shares."""
+    return trace.now() if trace.emulated() is not None else time.perf_counter()
 
 
 def _vjp_root(out, grad):
@@ -189,7 +200,7 @@ def _vjp_root(out, grad):
 def _common_clock(group):
     """One time origin for all ranks: rank 0's clock after a barrier (exact on one machine)."""
     dist.barrier(group=group)
-    t = torch.tensor([time.perf_counter()], dtype=torch.float64)
+    t = torch.tensor([_now()], dtype=torch.float64)
     dist.broadcast(t, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     return t.item()
 

@@ -79,57 +79,37 @@ def interleaved_1f1b(p, m, v=2):
     return schedule
 
 
-def zero_bubble(p, m, max_in_flight=None, t_f=1.0, t_i=1.0, t_w=1.0):
-    """A zero-bubble schedule in the spirit of ZB-H1: the backward split into I and W.
+def zb_h1(p, m):
+    """ZB-H1 (Qi et al., 2023): 1F1B with the backward split into I and W, the W passes delayed.
 
-    Built greedily by simulation: a stage runs I as soon as its gradient arrives, else F, and
-    only when it would otherwise wait, a pending W. A micro-batch's activations are freed by its
-    W; max_in_flight caps how many a stage holds (default p - r: 1F1B's peak memory; m: no cap,
-    every W may wait to the end and the bubble falls to (p - 1) / (3m + p - 1)).
+    Stage r runs p - r forwards (one more than 1F1B's warm-up), then repeats: the input gradient
+    I of the oldest micro-batch (the stage before waits for it), the weight gradient W of the
+    micro-batch r places further back, the next forward. Delaying W by r fills the idle slots
+    1F1B leaves while the gradient travels back, and frees activations later: every stage holds
+    up to p micro-batches - what 1F1B's first stage holds, so the peak memory of the pipeline
+    is 1F1B's. With F = I = W in time and m >= p the bubble is (p - 1) / (3m + p - 1): a third
+    of 1F1B's idle time (see zb_h1_bubble).
     """
     _check(p, m)
-    limits = [p - r if max_in_flight is None else max_in_flight for r in range(p)]
-    nf, ni, nw = [0] * p, [0] * p, [0] * p
-    f_end, i_end = {}, {}
-    free, tried = [0.0] * p, [None] * p       # tried: the time a stage last found nothing to do
-    schedule = [[] for _ in range(p)]
-    while any(nw[r] < m for r in range(p)):
-        active = [s for s in range(p) if nw[s] < m]
-        r = min(active, key=lambda s: (free[s], tried[s] == free[s], s))
-        now = free[r]
-        i_ready = f_ready = None
-        if ni[r] < m and (r, ni[r]) in f_end and (r == p - 1 or (r + 1, ni[r]) in i_end):
-            i_ready = max(f_end[r, ni[r]], i_end.get((r + 1, ni[r]), 0.0))
-        if nf[r] < m and nf[r] - nw[r] < limits[r] and (r == 0 or (r - 1, nf[r]) in f_end):
-            f_ready = f_end.get((r - 1, nf[r]), 0.0)
-        if i_ready is not None and i_ready <= now:
-            schedule[r].append(Action("I", ni[r]))
-            i_end[r, ni[r]] = free[r] = now + t_i
-            ni[r] += 1
-        elif f_ready is not None and f_ready <= now:
-            schedule[r].append(Action("F", nf[r]))
-            f_end[r, nf[r]] = free[r] = now + t_f
-            nf[r] += 1
-        elif nw[r] < ni[r]:
-            schedule[r].append(Action("W", nw[r]))
-            free[r] = now + t_w
-            nw[r] += 1
-        else:
-            # Nothing to do now: let the other stages decide at this moment first, then sleep
-            # until the next moment anything can change.
-            if any(free[s] == now and tried[s] != now for s in active if s != r):
-                tried[r] = now
-                continue
-            later = [t for t in (i_ready, f_ready) if t is not None and t > now]
-            later += [free[s] for s in active if free[s] > now]
-            if not later:  # pragma: no cover - would mean a bug in the rules above
-                raise RuntimeError(f"zero_bubble({p}, {m}) found no action for stage {r}.")
-            free[r] = min(later)
+    schedule = []
+    for r in range(p):
+        warmup = min(p - r, m)
+        actions = [Action("F", i) for i in range(warmup)]
+        w = 0                                   # the next micro-batch whose W is pending
+        for i in range(m):
+            actions.append(Action("I", i))
+            if i >= r:                          # stage r lets r weight gradients wait
+                actions.append(Action("W", w))
+                w += 1
+            if warmup + i < m:
+                actions.append(Action("F", warmup + i))
+        actions += [Action("W", j) for j in range(w, m)]   # cool-down: the delayed W's
+        schedule.append(actions)
     return schedule
 
 
 SCHEDULES = {"GPipe": gpipe, "1F1B": one_f_one_b, "interleaved 1F1B": interleaved_1f1b,
-             "zero bubble": zero_bubble}
+             "ZB-H1": zb_h1}
 
 
 def make_schedule(name, p, m):
@@ -141,6 +121,21 @@ def make_schedule(name, p, m):
 def theory_bubble(p, m, v=1):
     """Idle fraction of GPipe/1F1B with equal stages: (p - 1) / (m + p - 1); v chunks divide it."""
     return (p - 1) / (v * m + p - 1)
+
+
+def zb_h1_bubble(p, m, t_f=1.0, t_i=1.0, t_w=1.0):
+    """Idle fraction of ZB-H1 with equal stages, m >= p and W no longer than F or I: each stage
+    idles (p - 1)(t_f + t_i - t_w) - the W's fill part of the ramp - against 1F1B's
+    (p - 1)(t_f + t_i + t_w). With t_f = t_i = t_w: (p - 1) / (3m + p - 1)."""
+    idle = (p - 1) * (t_f + t_i - t_w)
+    return idle / (m * (t_f + t_i + t_w) + idle)
+
+
+def theory(name, p, m, v=1):
+    """The bubble formula of a named schedule (equal stages; F = I = W in time for ZB-H1, B = I + W)."""
+    if name == "ZB-H1":
+        return zb_h1_bubble(p, m) if m >= p else None
+    return theory_bubble(p, m, v if name == "interleaved 1F1B" else 1)
 
 
 # ---- checking and simulating a schedule -----------------------------------------------------------

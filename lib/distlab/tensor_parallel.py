@@ -73,7 +73,7 @@ class ColumnParallelLinear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
                     dtype=linear.weight.dtype, **kw)
         _copy_shards(layer, linear)
-        return layer
+        return layer.to(linear.weight.device)     # shards live where the dense layer lived
 
     def forward(self, x):
         if self.sequence_parallel:
@@ -112,7 +112,7 @@ class RowParallelLinear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
                     dtype=linear.weight.dtype, **kw)
         _copy_shards(layer, linear)
-        return layer
+        return layer.to(linear.weight.device)     # shards live where the dense layer lived
 
     def forward(self, x):
         if not self.input_is_parallel:
@@ -169,7 +169,7 @@ class ParallelMLP(nn.Module):
                  dtype=mlp.fc1.weight.dtype)
         _copy_shards(tp.fc1, mlp.fc1)
         _copy_shards(tp.fc2, mlp.fc2)
-        return tp
+        return tp.to(mlp.fc1.weight.device)
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))
@@ -199,7 +199,7 @@ class ParallelAttention(nn.Module):
         tp = cls(d, attn.n_heads, group, sequence_parallel, dtype=attn.proj.weight.dtype)
         _copy_shards(tp.qkv, attn.qkv)
         _copy_shards(tp.proj, attn.proj)
-        return tp
+        return tp.to(attn.proj.weight.device)
 
     def forward(self, x):
         qkv = self.qkv(x)                      # (b, t, 3·d/tp): the whole sequence, our heads
@@ -235,7 +235,7 @@ class ParallelBlock(nn.Module):
         tp.ln2.load_state_dict(block.ln2.state_dict())
         tp.attn = ParallelAttention.from_dense(block.attn, group, sequence_parallel)
         tp.mlp = ParallelMLP.from_dense(block.mlp, group, sequence_parallel)
-        return tp
+        return tp.to(block.ln1.weight.device)
 
     def _norm(self, ln, x):
         if not self.sequence_parallel:

@@ -6,7 +6,8 @@ distlab.pipeline_schedules.simulate and recorded by distlab.pipeline_parallel.Pi
 import matplotlib.pyplot as plt
 from matplotlib.colors import to_rgb
 
-from ..pipeline_schedules import SCHEDULES, bubble_fraction, make_schedule, simulate, theory_bubble
+from ..pipeline_schedules import (SCHEDULES, bubble_fraction, make_schedule, simulate, theory,
+                                  theory_bubble)
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
 NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
@@ -54,15 +55,33 @@ def side_by_side(simulated, measured, title_sim="simulated", title_meas="measure
     return fig
 
 
+def explain(name, p, m, bubble, v=1):
+    """One line under a schedule's chart: the simulated bubble beside the formula that applies."""
+    base = theory_bubble(p, m)
+    line = f"simulated (F = 1, B = I + W = 2): idle {bubble:.0%} of p × span"
+    if name in ("GPipe", "1F1B"):
+        return f"{line} = (p-1)/(m+p-1) = {base:.0%}"
+    if name == "interleaved 1F1B":
+        return (f"{line} = (p-1)/(v·m+p-1) = {theory_bubble(p, m, v):.0%} with v = {v} chunks "
+                f"(one chunk per stage: (p-1)/(m+p-1) = {base:.0%})")
+    zb = theory(name, p, m)
+    if zb is None:
+        return (f"{line}; with m < p too few micro-batches fill the ramp (1F1B: "
+                f"(p-1)/(m+p-1) = {base:.0%})")
+    return (f"{line} = (p-1)/(3m+p-1) = {zb:.0%}: a third of 1F1B's idle time "
+            f"(1F1B: (p-1)/(m+p-1) = {base:.0%})")
+
+
 def schedule_widget(p=4, m=8):
     """Sliders for p and m, a menu of schedules: the Gantt chart and its bubble vs theory."""
     import ipywidgets as w
     from IPython.display import display
 
     out = w.Output()
-    ps = w.IntSlider(value=p, min=1, max=8, description="stages p")
-    ms = w.IntSlider(value=m, min=1, max=24, description="micro-batches m")
-    name = w.Dropdown(options=list(SCHEDULES), value="1F1B", description="schedule")
+    wide = dict(style={"description_width": "initial"}, layout=w.Layout(width="300px"))
+    ps = w.IntSlider(value=p, min=1, max=8, description="stages p", **wide)
+    ms = w.IntSlider(value=m, min=1, max=24, description="micro-batches m", **wide)
+    name = w.Dropdown(options=list(SCHEDULES), value="1F1B", description="schedule", **wide)
 
     def draw(*_):
         with out:
@@ -73,9 +92,12 @@ def schedule_widget(p=4, m=8):
                 print(e)
                 return
             v = 1 + max(a.chunk for s in schedule for a in s)
-            ax = gantt(simulate(schedule, ms.value), title=name.value)
-            ax.figure.suptitle(f"(p-1)/(v·m+p-1) = {theory_bubble(ps.value, ms.value, v):.0%}",
-                               fontsize=9, x=0.9, y=0.02, ha="right")
+            timeline = simulate(schedule, ms.value)
+            ax = gantt(timeline, title=name.value)
+            ax.figure.text(0.01, 0.005, explain(name.value, ps.value, ms.value,
+                                                bubble_fraction(timeline), v),
+                           fontsize=8, ha="left", va="bottom")
+            ax.figure.subplots_adjust(bottom=min(0.6, 0.8 / ax.figure.get_figheight()))
             plt.show()
 
     for control in (ps, ms, name):
