@@ -208,3 +208,96 @@ def test_check_group_sum(capsys):
         ch01.check_group_sum(group_sum_whole_world)
     with pytest.raises(NotImplementedError, match="is not written yet"):
         ch01.check_group_sum(stub)
+
+
+# ---- structure and cheats (issue 14) --------------------------------------------------------------
+
+def rank_slice_tensor_split(rank, world_size, n):
+    # Differently written: torch.tensor_split's own chunks.
+    sizes = [len(c) for c in torch.arange(n).tensor_split(world_size)]
+    return sum(sizes[:rank]), sum(sizes[:rank + 1])
+
+
+def test_check_rank_slice_written_otherwise_and_the_cheat(capsys):
+    ch01.check_rank_slice(rank_slice_tensor_split)
+    assert "✅" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="course's own reference_slice; the exercise is to "
+                                          "compute the slice yourself"):
+        ch01.check_rank_slice(ch01.reference_slice)
+
+
+def share_config_with_wait(rank, world_size, store, config):
+    # Differently written: bytes, and an explicit wait before the get.
+    if rank == 0:
+        store.set("cfg", json.dumps(config).encode())
+    store.wait(["cfg"])
+    return json.loads(store.get("cfg").decode())
+
+
+def test_check_share_config_written_otherwise_and_the_cheat(capsys):
+    ch01.check_share_config(share_config_with_wait, world_sizes=(3,))
+    assert "✅" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="course's own config_for"):
+        ch01.check_share_config(lambda rank, world_size, store, config: ch01.config_for(world_size),
+                                world_sizes=(2,))
+
+
+def broadcast_config_gathered(rank, world_size, config):
+    # Differently written: every rank gathers every rank's object and keeps rank 0's.
+    from torch.distributed import all_gather_object
+    every = [None] * world_size
+    all_gather_object(every, config)
+    return every[0]
+
+
+def broadcast_config_by_messages(rank, world_size, config):
+    # Right answer, wrong structure: rank 0 sends it to each rank in turn.
+    box = [config]
+    if rank == 0:
+        for r in range(1, world_size):
+            dist.send_object_list(box, dst=r)
+    else:
+        dist.recv_object_list(box, src=0)
+    return box[0]
+
+
+def test_check_broadcast_config_structure(capsys):
+    ch01.check_broadcast_config(broadcast_config_gathered, world_sizes=(3,))
+    assert "✅" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match=r"world_size=2: rank 1 got the config, but rank 0 sent "
+                                          r"it in 2 point-to-point messages; the exercise is one "
+                                          r"collective"):
+        ch01.check_broadcast_config(broadcast_config_by_messages, world_sizes=(2,))
+    with pytest.raises(CheckFailed, match="course's own config_for"):
+        ch01.check_broadcast_config(lambda rank, world_size, config: ch01.config_for(world_size),
+                                    world_sizes=(2,))
+
+
+def group_sum_by_enumeration(rank, world_size, group_size):
+    # Differently written: new_subgroups_by_enumeration, an imported all_reduce, ReduceOp.SUM.
+    from torch.distributed import ReduceOp, all_reduce
+    blocks = [list(range(f, min(f + group_size, world_size)))
+              for f in range(0, world_size, group_size)]
+    mine, _ = dist.new_subgroups_by_enumeration(blocks)
+    t = torch.tensor([float(rank + 1) ** 2])
+    all_reduce(t, op=ReduceOp.SUM, group=mine)
+    return t.item()
+
+
+def group_sum_gathered(rank, world_size, group_size):
+    # Right answer, wrong structure: every rank gathers the whole world and adds its block.
+    values = [torch.zeros(1) for _ in range(world_size)]
+    dist.all_gather(values, torch.tensor([float(rank + 1) ** 2]))
+    first = rank // group_size * group_size
+    return sum(v.item() for v in values[first:first + group_size])
+
+
+def test_check_group_sum_structure(capsys):
+    ch01.check_group_sum(group_sum_by_enumeration, cases=((5, 2),))
+    assert "✅" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match=r"world_size=4, group_size=2: rank 0's block is ranks "
+                                          r"\[0, 1\], but its all_gather ran over ranks "
+                                          r"\[0, 1, 2, 3\]; make a group of exactly the block"):
+        ch01.check_group_sum(group_sum_gathered, cases=((4, 2),))
+    with pytest.raises(CheckFailed, match="course's own reference_group_sum"):
+        ch01.check_group_sum(ch01.reference_group_sum, cases=((4, 2),))

@@ -234,3 +234,129 @@ def test_unsolved_stub_is_one_line_not_implemented():
         raise NotImplementedError("exercise: replace this line with your code")
     with pytest.raises(NotImplementedError, match="mean_loss is not written yet"):
         ch11.check_mean_loss(stub)
+
+
+# ---- exercises 6 and 7: TP/PP bugs (issue 14) ------------------------------------------------------
+
+def pipeline_forward(x, stage_fn, rank, pp, dp):
+    stage = rank // dp
+    if stage > 0:
+        dist.recv(x, src=rank - dp)
+    y = stage_fn(x)
+    if stage < pp - 1:
+        dist.send(y, dst=rank + dp)
+    return y
+
+
+def pipeline_forward_batched(x, stage_fn, rank, pp, dp):
+    # Differently written: DeviceMesh-free peers from divmod, batch_isend_irecv.
+    from torch.distributed import P2POp, batch_isend_irecv, irecv, isend
+    stage, replica = divmod(rank, dp)
+    if stage > 0:
+        for w in batch_isend_irecv([P2POp(irecv, x, (stage - 1) * dp + replica)]):
+            w.wait()
+    y = stage_fn(x)
+    if stage < pp - 1:
+        isend(y, (stage + 1) * dp + replica).wait()
+    return y
+
+
+def pipeline_forward_next_rank(x, stage_fn, rank, pp, dp):
+    # The bug: the next rank, not the next stage of this replica.
+    stage = rank // dp
+    if stage > 0:
+        dist.recv(x, src=rank - 1)
+    y = stage_fn(x)
+    if stage < pp - 1:
+        dist.send(y, dst=rank + 1)
+    return y
+
+
+def pipeline_forward_relay(x, stage_fn, rank, pp, dp):
+    # Right values, wrong route: each stage's replica 0 collects and forwards for everyone.
+    stage, replica = divmod(rank, dp)
+    if stage > 0 and replica == 0:
+        for d in range(dp):
+            buf = torch.empty_like(x)
+            dist.recv(buf, src=(stage - 1) * dp + d)
+            if d == 0:
+                x = buf
+            else:
+                dist.send(buf, dst=stage * dp + d)
+    elif stage > 0:
+        dist.recv(x, src=stage * dp)
+    y = stage_fn(x)
+    if stage < pp - 1:
+        dist.send(y, dst=(stage + 1) * dp)
+    return y
+
+
+def test_pipeline_forward_checker(capsys):
+    ch11.check_pipeline_forward(pipeline_forward)
+    ch11.check_pipeline_forward(pipeline_forward_batched)
+    assert capsys.readouterr().out.count("✅") == 2
+    # A hang, or (when the peer that never answers has already finished) a wait that ended early.
+    with pytest.raises(CheckFailed, match=r"world_size=4.*; stage s of replica d is rank "
+                                          r"s\*dp \+ d, so the next stage of the same replica is dp "
+                                          r"ranks away, not one"):
+        ch11.check_pipeline_forward(pipeline_forward_next_rank)
+    with pytest.raises(CheckFailed, match=r"pp=2 stages x dp=2 replicas: rank 1 sent 16 bytes to "
+                                          r"rank 2; stage 0 of replica 1 only sends to rank 3"):
+        ch11.check_pipeline_forward(pipeline_forward_relay)
+    with pytest.raises(CheckFailed, match="course's own _reference_pipeline_forward"):
+        ch11.check_pipeline_forward(ch11._reference_pipeline_forward)
+
+
+def sync_sp(block, group):
+    for ln in (block.ln1, block.ln2):
+        for p in ln.parameters():
+            dist.all_reduce(p.grad, group=group)
+
+
+def sync_sp_flat(block, group):
+    # Differently written: one flat buffer, an imported all_reduce, ReduceOp.SUM.
+    from torch.distributed import ReduceOp, all_reduce
+    grads = [p.grad for ln in (block.ln1, block.ln2) for p in ln.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    all_reduce(flat, op=ReduceOp.SUM, group=group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
+def sync_everything_averaged(block, group):
+    # The data-parallel habit: average every gradient, tensor-parallel shards included.
+    for p in block.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
+
+
+def sync_everything_summed(block, group):
+    for p in block.parameters():
+        dist.all_reduce(p.grad, group=group)
+
+
+def sync_sp_world(block, group):
+    for ln in (block.ln1, block.ln2):
+        for p in ln.parameters():
+            dist.all_reduce(p.grad)
+
+
+def test_sequence_parallel_grads_checker(capsys):
+    ch11.check_sequence_parallel_grads(sync_sp)
+    ch11.check_sequence_parallel_grads(sync_sp_flat)
+    assert capsys.readouterr().out.count("✅") == 2
+    with pytest.raises(CheckFailed, match=r"tp=2 \(inside 4 ranks: dp=2\): rank 0's ln1.weight "
+                                          r"gradient is 0.\d+ times the dense one's norm: each "
+                                          r"rank's LayerNorm saw only its 1/2 of the sequence"):
+        ch11.check_sequence_parallel_grads(lambda block, group: None)
+    with pytest.raises(CheckFailed, match=r"ln1.weight gradient is 1/2 of the dense one: .*summed, "
+                                          r"not averaged"):
+        ch11.check_sequence_parallel_grads(sync_everything_averaged)
+    with pytest.raises(CheckFailed, match=r"attn.qkv.weight gradient is wrong: it belongs to a "
+                                          r"tensor-parallel shard"):
+        ch11.check_sequence_parallel_grads(sync_everything_summed)
+    with pytest.raises(CheckFailed, match=r"rank 0's all_reduce ran over ranks \[0, 1, 2, 3\]; a "
+                                          r"LayerNorm's gradient is split over the sequence shards "
+                                          r"of ONE tp group, ranks \[0, 1\]"):
+        ch11.check_sequence_parallel_grads(sync_sp_world)
+    with pytest.raises(CheckFailed, match="course's own _reference_sp_sync"):
+        ch11.check_sequence_parallel_grads(ch11._reference_sp_sync)

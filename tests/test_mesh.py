@@ -60,7 +60,7 @@ def test_groups_along_every_dimension_match_a_torch_grid(shape):
                 assert M.peer_groups(r, shape, names)[name] == g
 
 
-def test_the_seed_example():
+def test_the_two_groups_of_four_example():
     # 8 ranks, TP inside each group of 4, DP across the two groups.
     groups = M.all_groups((2, 4), ("dp", "tp"))
     assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]

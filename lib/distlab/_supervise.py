@@ -153,14 +153,8 @@ class Launch:
                 port = store.port
             else:
                 port = free_port()
-            spec = dict(world_size=self.world_size, backend=self.backend, init=self.init,
-                        master_addr="127.0.0.1", master_port=port, store_port=port,
-                        threads=self.threads, env=self.env, sources=cell_sources(),
-                        pg_timeout=(self.timeout or 1800) + 60,
-                        trace=self.trace, emulate=self.cluster)
-            for r in self.ranks:
-                self._start(ctx, r, payload, dict(spec, rank=r.rank,
-                                         dump_path=os.path.join(tmpdir.name, f"stack{r.rank}")))
+            for r, spec in zip(self.ranks, self._specs(port, tmpdir.name)):
+                self._start(ctx, r, payload, spec)
             # The limit counts from when every rank is up: the first launch of a session waits
             # seconds for the forkserver to import torch, which is not the learner's code.
             failure = self._watch(time.perf_counter())
@@ -194,13 +188,24 @@ class Launch:
             results.trace = Trace([r.trace for r in self.ranks], self.cluster)
         return results
 
-    def _start(self, ctx, r, payload, spec):
+    def _specs(self, port, folder):
+        """What each rank needs to know to start (its rank, the rendezvous, where to dump its stack)."""
+        spec = dict(world_size=self.world_size, backend=self.backend, init=self.init,
+                    master_addr="127.0.0.1", master_port=port, store_port=port,
+                    threads=self.threads, env=self.env, sources=cell_sources(),
+                    pg_timeout=(self.timeout or 1800) + 60,
+                    trace=self.trace, emulate=self.cluster)
+        return [dict(spec, rank=r.rank, dump_path=os.path.join(folder, f"stack{r.rank}"))
+                for r in self.ranks]
+
+    def _start(self, ctx, r, payload, spec, target=_worker.main, extra=()):
+        """Start rank `r`: target(spec, payload, message pipe, stdout pipe, stderr pipe, *extra)."""
         recv_conn, send_conn = ctx.Pipe(duplex=False)
         out_r, out_w = ctx.Pipe(duplex=False)
         err_r, err_w = ctx.Pipe(duplex=False)
         r.dump_path = spec["dump_path"]
-        r.process = ctx.Process(target=_worker.main, name=f"distlab-rank{r.rank}",
-                                args=(spec, payload, send_conn, out_w, err_w))
+        r.process = ctx.Process(target=target, name=f"distlab-rank{r.rank}",
+                                args=(spec, payload, send_conn, out_w, err_w, *extra))
         _start_without_main(r.process)
         for c in (send_conn, out_w, err_w):
             c.close()
@@ -213,8 +218,7 @@ class Launch:
         deadline = None if self.timeout is None else started + self.timeout
         first_error_at = None
         while True:
-            live = [r for r in self.ranks if r.exitcode is None]
-            if not live:
+            if not self._pending():
                 break
             if first_error_at is not None and time.monotonic() - first_error_at > self.GRACE_S:
                 break  # a short grace to hear from the other ranks, then stop them
@@ -243,6 +247,10 @@ class Launch:
                 if first_error_at is None and (r.error is not None or self._failed_death(r)):
                     first_error_at = time.monotonic()
         return self._failure()
+
+    def _pending(self):
+        """The ranks the loop still waits for (here: until their process ends)."""
+        return [r for r in self.ranks if r.exitcode is None]
 
     def _failed_death(self, r):
         # A rank that returned and then died counts only while others still need it.

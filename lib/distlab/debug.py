@@ -8,13 +8,13 @@ rank, so it can be dropped into a training loop without creating a hang of its o
 import contextlib
 import hashlib
 import os
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import trace
 from .models import batches_of, make_mlp, regression_data, train_reference
 
 
@@ -223,21 +223,25 @@ def profile_ddp_steps(rank, world_size, width=256, steps=3, batch=64):
 
 def step_times(rank, world_size, slow_rank=None, delay=0.05, steps=5, width=128):
     """Per-step seconds of data-parallel training on this rank: its own compute, then the time it
-    waits inside the gradient all-reduce. `slow_rank` sleeps `delay` more per step (a straggler:
-    a slower GPU, a noisy neighbour, a rank that also writes the checkpoint)."""
+    waits inside the gradient all-reduce. `slow_rank` spends `delay` more per step (a straggler:
+    a slower GPU, a noisy neighbour, a rank that also writes the checkpoint).
+
+    Times are read from `distlab.trace.now()`: the wall clock in a plain run, the modeled clock
+    under `distlab.run(..., emulate=...)`, where the straggler's delay is modeled compute too."""
     model = make_mlp((16, width, width, 4), seed=0)
     x, y = regression_data(n=32, seed=rank)
     compute, wait = [], []
     dist.barrier()
     for _ in range(steps):
-        start = time.perf_counter()
-        model.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        start = trace.now()
+        with trace.span("forward+backward"):
+            model.zero_grad()
+            F.mse_loss(model(x), y).backward()
         if rank == slow_rank:
-            time.sleep(delay)
-        done = time.perf_counter()
+            trace.compute(delay, name="straggler")
+        done = trace.now()
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         dist.all_reduce(grads)
         compute.append(done - start)
-        wait.append(time.perf_counter() - done)
+        wait.append(trace.now() - done)
     return {"compute": compute, "wait": wait}

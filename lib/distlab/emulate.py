@@ -206,7 +206,12 @@ def announce(cluster):
         shell = get_ipython()
     except ImportError:
         shell = None
-    cell = (id(shell), shell.execution_count) if shell is not None else None
+    cell = None
+    if shell is not None:
+        # One execute request per cell; nbval runs cells without history, so the execution
+        # count does not tell cells apart, but the request's message id does.
+        header = getattr(shell, "parent_header", None) or {}
+        cell = header.get("header", {}).get("msg_id") or (id(shell), shell.execution_count)
     if cell is None or _announced != (cell, cluster):
         print(describe(cluster))
         _announced = (cell, cluster)

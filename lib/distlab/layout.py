@@ -11,8 +11,12 @@ Assumptions, stated once (a planning model, not a simulator; measure before you 
   1/(tp·pp) of the parameters, plus activations: with 1F1B the first stage holds pp micro-batches
   of its layers/pp layers, i.e. one micro-batch of ALL layers, split 1/tp by tensor parallelism
   (with full activation checkpointing by default, as models of this size are trained);
-- compute: 6·N·tokens FLOPs at `mfu` of `peak_flops`, spread over every GPU, stretched by the
-  pipeline bubble (pp-1)/m, m = micro-batches per data-parallel rank;
+- compute: 6·N·tokens FLOPs (2 forward + 4 backward per parameter per token), plus one more
+  forward, 2·N·tokens, when full activation checkpointing recomputes it in backward: 8·N·tokens
+  in all; at `mfu` of `peak_flops`, spread over every GPU;
+- the pipeline bubble adds (pp-1)/m of that compute, m = micro-batches per data-parallel rank:
+  chapter 08's bubble FRACTION (pp-1)/(m+pp-1) is the same thing measured against the stretched
+  step, since ideal·(m+pp-1)/m = ideal·(1 + (pp-1)/m);
 - communication, none of it overlapped with compute (an upper bound):
   tp: 4 ring all-reduces of one micro-batch's activations (s·b·h, bf16) per layer per micro-batch;
   pp: 2 sends (activation forward, gradient back) of the same size per micro-batch, m + pp - 1
@@ -48,28 +52,35 @@ def _link(group_span, gpus_per_node, intra, inter):
 
 def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, micro_batch=1,
           zero_stage=1, checkpointing=True, gpu_bytes=80 * memory.GB, peak_flops=989e12, mfu=0.4,
-          intra=cost.INTRA_NODE, inter=cost.INTER_NODE):
-    """Seconds per step (split into compute, bubble, tp, pp, dp) and GB per GPU of one layout."""
-    n, layers, hidden, heads = memory.PRESETS[model]
+          intra=cost.INTRA_NODE, inter=cost.INTER_NODE, value_bytes=2):
+    """Seconds per step (split into compute, bubble, tp, pp, dp) and GB per GPU of one layout.
+
+    `model` is a name in memory.PRESETS or a tuple (n_params, layers, hidden, heads);
+    `value_bytes` is the size of one activation or gradient value (2: bf16, 4: fp32)."""
+    n, layers, hidden, heads = memory.PRESETS[model] if isinstance(model, str) else model
     m = global_batch // (dp * micro_batch)
     states = memory.model_state_bytes(n / (tp * pp), zero_stage=zero_stage, world_size=dp)
     acts = memory.activation_bytes(seq_len, micro_batch, hidden, layers, heads,
                                    checkpointing) / tp
     gb = (sum(states.values()) + acts) / memory.GB
 
-    compute = memory.training_flops(n, global_batch * seq_len) / (dp * pp * tp * peak_flops * mfu)
+    flops = memory.training_flops(n, global_batch * seq_len)
+    if checkpointing:
+        flops += 2 * n * global_batch * seq_len      # full recompute: the forward runs twice
+    compute = flops / (dp * pp * tp * peak_flops * mfu)
+    recompute = compute * 2 / 8 if checkpointing else 0.0
     bubble = compute * (pp - 1) / m
-    act_bytes = 2 * seq_len * micro_batch * hidden
+    act_bytes = value_bytes * seq_len * micro_batch * hidden
     # Group spans in ranks: tp neighbours; a pp group strides by tp; a dp group by pp·tp.
     tp_time = m * (layers / pp) * 4 * cost.predict(
         "ring_all_reduce", act_bytes, tp, _link(tp, gpus_per_node, intra, inter))
     pp_link = _link(pp * tp, gpus_per_node, intra, inter)
     pp_time = 0.0 if pp == 1 else (m + pp - 1) * 2 * cost.predict("send", act_bytes, 2, pp_link)
-    dp_time = cost.predict("ring_all_reduce", 2 * n / (tp * pp), dp,
+    dp_time = cost.predict("ring_all_reduce", value_bytes * n / (tp * pp), dp,
                            _link(dp * pp * tp, gpus_per_node, intra, inter))
     total = compute + bubble + tp_time + pp_time + dp_time
     return dict(dp=dp, pp=pp, tp=tp, gb=gb, fits=gb <= gpu_bytes / memory.GB, step_s=total,
-                compute_s=compute, bubble_s=bubble, tp_s=tp_time, pp_s=pp_time, dp_s=dp_time)
+                compute_s=compute, recompute_s=recompute, bubble_s=bubble, tp_s=tp_time, pp_s=pp_time, dp_s=dp_time)
 
 
 def rank_layouts(model, nodes=4, gpus_per_node=8, global_batch=512, micro_batch=1, **kw):

@@ -4,12 +4,16 @@ one sentence what differs (which rank, which element, expected vs got) or that i
 Each chapter's checkers live in `distlab.checks.chNN`; this module holds what they share.
 """
 import contextlib
+import inspect
+import linecache
 import math
 import numbers
+import os
+import re
 
 import torch
 
-from ..launch import RankFailed
+from ..launch import RankFailed, RunTimeout
 from ..launch import run as _launch_run
 
 
@@ -17,6 +21,10 @@ def run(fn, world_size, *args, **kwargs):
     """distlab.run on gloo: checkers build their data on the CPU, whatever GPUs the machine has."""
     kwargs.setdefault("backend", "gloo")
     return _launch_run(fn, world_size, *args, **kwargs)
+
+
+class UsedCourseCode(RuntimeError):
+    """The learner's function called the course's implementation instead of writing its own."""
 
 
 class CheckFailed(AssertionError):
@@ -102,16 +110,21 @@ def _not_written(name):
 
 
 def call_learner(fn, *args, name=None, **kwargs):
-    """Call the learner's function in this process; a stub becomes a one-line NotImplementedError."""
+    """Call the learner's function in this process; a stub becomes a one-line NotImplementedError
+    and a call of the course's own code a CheckFailed."""
     name = name or getattr(fn, "__name__", "your function")
     try:
         return fn(*args, **kwargs)
     except NotImplementedError:
         raise _not_written(name) from None
+    except UsedCourseCode as e:
+        raise CheckFailed(str(e)) from None
 
 
-def run_learner(fn, world_size, *args, name=None, timeout=30, **kwargs):
-    """distlab.run the learner's function; a stub becomes a one-line NotImplementedError."""
+def run_learner(fn, world_size, *args, name=None, timeout=30, deadlock_rule=None, **kwargs):
+    """distlab.run the learner's function. A stub becomes a one-line NotImplementedError, a call
+    of the course's own code a CheckFailed; with `deadlock_rule`, a run that hangs in the
+    learner's code becomes a CheckFailed saying where each rank waits, and the rule."""
     name = name or getattr(fn, "__name__", "your function")
     if not callable(fn):
         raise TypeError(f"the check needs your function, e.g. check({name}); got {fn!r}.")
@@ -120,7 +133,64 @@ def run_learner(fn, world_size, *args, name=None, timeout=30, **kwargs):
     except RankFailed as e:
         if e.exc_type == "NotImplementedError":
             raise _not_written(name) from None
+        if e.exc_type == UsedCourseCode.__name__:
+            raise CheckFailed(str(e.exception or e).splitlines()[-1]) from None
         raise
+    except RunTimeout as e:
+        where = where_ranks_wait(e, world_size) if deadlock_rule else None
+        if where is None:
+            raise          # stuck before the learner's code ran: not the learner's deadlock
+        raise CheckFailed(f"{name} with world_size={world_size} deadlocked (no rank finished in "
+                          f"{timeout:g} s): {where}. {deadlock_rule}") from None
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_LIB = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _not_learner(path):
+    return path.startswith((_LIB, _TORCH)) or "multiprocessing" in path or path == "<string>"
+
+
+def where_ranks_wait(error, world_size):
+    """'rank 0 waits in recv at `dist.recv(t, left)`; rank 1 ...' from a RunTimeout's stack
+    dumps, or None when no rank is in the learner's code (the run was stuck somewhere else)."""
+    phrases, in_learner = [], False
+    for rank in range(world_size):
+        if rank not in error.running:
+            phrases.append(f"rank {rank} had finished")
+            continue
+        frames = _FRAME.findall((error.stacks or {}).get(rank, ""))   # most recent call first
+        mine = next((i for i, (path, _, _) in enumerate(frames) if not _not_learner(path)), None)
+        if mine is None:
+            phrases.append(f"rank {rank} did not say where it waits")
+            continue
+        in_learner = True
+        path, line, func = frames[mine]
+        inner = [f for (p, _, f) in frames[:mine] if p.endswith("distributed_c10d.py")]
+        called = inner[-1] if inner else (frames[mine - 1][2] if mine > 0 else "your code")
+        source = linecache.getline(path, int(line)).split("  #")[0].strip()
+        at = f"`{source}`" if source else f"line {line} of {func}"
+        phrases.append(f"rank {rank} waits in {called} at {at}")
+    return "; ".join(phrases) if in_learner else None
+
+
+def expect_arguments(fn, n_args, example, name=None):
+    """The learner's function's name, or a one-sentence TypeError when it is not a function of
+    `n_args` positional arguments (checked before any rank starts)."""
+    name = name or getattr(fn, "__name__", "your function")
+    if not callable(fn) or isinstance(fn, type):
+        raise TypeError(f"the check needs your function, e.g. {example}; got {fn!r}.")
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return name
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) != n_args and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise TypeError(f"{name} should take {n_args} arguments, as in {example}; it takes "
+                        f"{len(positional)}.")
+    return name
 
 
 def check_on_ranks(fn, reference, world_sizes, args_for=lambda ws: (), name=None,
@@ -143,10 +213,6 @@ def sizes_phrase(sizes):
 
 
 # ---- refusing the course's own answers ---------------------------------------------------------
-
-class UsedCourseCode(RuntimeError):
-    """The learner's function called the course's implementation instead of writing its own."""
-
 
 @contextlib.contextmanager
 def forbid(*objects, exercise="write it yourself"):

@@ -2,15 +2,18 @@
 import torch
 
 from .. import memory
-from . import CheckFailed, call_learner, compare, passed, run_learner, sizes_phrase
+from . import CheckFailed, call_learner, compare, forbid, passed, sizes_phrase
+from .ch01 import collectives, learner_run, refusing
 
 MODELS = {"a 1.3B model": 1.3e9, "a 7B model": 7e9, "a 70B model": 70e9, "GPT-3 (175B)": 175e9}
 
 
 def check_model_states_gb(fn):
     """fn(n_params) -> {"weights", "grads", "optimizer"} in GB, bf16 mixed precision with Adam."""
-    for label, n in MODELS.items():
-        got = call_learner(fn, n)
+    with refusing(memory.model_state_bytes, memory.training_days,
+                  exercise="do the byte arithmetic yourself"):
+        answers = [call_learner(fn, n) for n in MODELS.values()]
+    for (label, n), got in zip(MODELS.items(), answers):
         expected = {k: v / memory.GB for k, v in
                     memory.model_state_bytes(n, "bf16-mixed", "adam").items()}
         if not isinstance(got, dict):
@@ -25,8 +28,10 @@ def check_training_days(fn):
     """fn(n_params, tokens, n_gpus, peak_flops, mfu) -> days."""
     cases = [(175e9, 300e9, 1024, 312e12, 0.4), (7e9, 2e12, 256, 989e12, 0.45),
              (1.3e9, 26e9, 1, 165e12, 0.3)]
-    for args in cases:
-        got = call_learner(fn, *args)
+    with refusing(memory.model_state_bytes, memory.training_days,
+                  exercise="write the formula yourself"):
+        answers = [call_learner(fn, *args) for args in cases]
+    for args, got in zip(cases, answers):
         compare(got, memory.training_days(*args),
                 f"training_days{tuple(f'{a:.3g}' for a in args)}".replace("'", ""), rtol=1e-9)
     passed("training_days is right: 6·N·D FLOPs divided by what the GPUs really deliver.")
@@ -45,10 +50,14 @@ def _reference_global_mean(rank, world_size):
 def check_global_mean(fn, world_sizes=(1, 2, 3, 4)):
     """fn(local) -> the mean over every rank's numbers, called on each rank with its own data."""
     def learner(rank, world_size):
-        return fn(_local_data(rank))
+        local = _local_data(rank)
+        with forbid(_local_data, _reference_global_mean,
+                    exercise="combine the ranks' numbers with a collective"):
+            return fn(local)
 
     for ws in world_sizes:
-        got = run_learner(learner, ws, name="global_mean")
+        got = learner_run(learner, ws, name="global_mean",
+                          hang_rule="every rank must call the same collectives, in the same order.")
         expected = _reference_global_mean(0, ws)
         for rank in range(ws):
             value = got[rank]
@@ -60,5 +69,11 @@ def check_global_mean(fn, world_sizes=(1, 2, 3, 4)):
                                   f"({value:.6g}): the ranks must combine their data.")
             compare(value, expected, f"global_mean with world_size={ws}, rank {rank}",
                     atol=1e-9, rtol=1e-9)
+            world = tuple(range(ws))
+            if ws > 1 and not any(e["group"] == world for e in collectives(got.trace, rank)):
+                raise CheckFailed(f"with world_size={ws}, rank {rank} returned the right number "
+                                  f"without a collective over all the ranks: it only holds its "
+                                  f"own {rank + 2} numbers, so it must get the others' sums and "
+                                  f"counts with dist.all_reduce.")
     passed(f"global_mean gives every rank the mean of all the data, on "
            f"{sizes_phrase(world_sizes)} ranks with uneven shards.")

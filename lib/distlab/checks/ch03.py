@@ -20,18 +20,14 @@ The course's own implementations (`distlab.collectives`) and this module's refer
 run inside the learner's function (`distlab.checks.forbid`). A deadlock is reported within
 TIMEOUT seconds with where each rank waits.
 """
-import linecache
 import math
-import os
-import re
 
 import torch
 
-from . import (CheckFailed, UsedCourseCode, compare, forbid, passed, run, run_learner,
+from . import (CheckFailed, compare, forbid, passed, run, run_learner,
                sizes_phrase)
 from .. import collectives as _collectives
 from .. import trace as _trace
-from ..launch import RankFailed, RunTimeout
 
 WORLD_SIZES = (2, 3, 5)
 LENGTHS = (1, 4, 7, 13)
@@ -132,51 +128,8 @@ def _ready(rank, world_size):
 
 def _run(fn, world_size, worker, name, deadlock_rule):
     """The learner's run with its trace; course code, deadlocks and stubs become one sentence."""
-    try:
-        return run_learner(worker, world_size, fn, name=name, timeout=TIMEOUT, trace=True)
-    except RankFailed as e:
-        if e.exc_type == UsedCourseCode.__name__:
-            raise CheckFailed(str(e.exception or e).splitlines()[-1]) from None
-        raise
-    except RunTimeout as e:
-        where = _where_ranks_wait(e, world_size)
-        if where is None:
-            raise          # stuck before the learner's code ran: not the learner's deadlock
-        raise CheckFailed(f"{name} with world_size={world_size} deadlocked (no rank finished in "
-                          f"{TIMEOUT} s): {where}. {deadlock_rule}") from None
-
-
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-_LIB = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def _not_learner(path):
-    return (path.startswith((_LIB, _TORCH)) or "multiprocessing" in path
-            or path == "<string>")
-
-
-def _where_ranks_wait(error, world_size):
-    """'rank 0 waits in recv at `dist.recv(t, left)`; rank 1 ...', or None when no rank is in
-    the learner's code (then the run was stuck somewhere else)."""
-    phrases, in_learner = [], False
-    for rank in range(world_size):
-        if rank not in error.running:
-            phrases.append(f"rank {rank} had finished")
-            continue
-        frames = _FRAME.findall((error.stacks or {}).get(rank, ""))   # most recent call first
-        mine = next((i for i, (path, _, _) in enumerate(frames) if not _not_learner(path)), None)
-        if mine is None:
-            phrases.append(f"rank {rank} did not say where it waits")
-            continue
-        in_learner = True
-        path, line, func = frames[mine]
-        inner = [f for (p, _, f) in frames[:mine] if p.endswith("distributed_c10d.py")]
-        called = inner[-1] if inner else (frames[mine - 1][2] if mine > 0 else "your code")
-        source = linecache.getline(path, int(line)).split("  #")[0].strip()
-        at = f"`{source}`" if source else f"line {line} of {func}"
-        phrases.append(f"rank {rank} waits in {called} at {at}")
-    return "; ".join(phrases) if in_learner else None
+    return run_learner(worker, world_size, fn, name=name, timeout=TIMEOUT, trace=True,
+                       deadlock_rule=deadlock_rule)
 
 
 def _events(trace, rank, case):

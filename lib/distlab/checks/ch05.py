@@ -5,7 +5,6 @@ compare every rank's gradients with single-process gradients on the whole batch 
 real mistake cannot hide in rounding).
 """
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import models

@@ -22,7 +22,7 @@ from .. import tensor_parallel as _tpm
 from .. import tp_comm as _tp_comm
 from .. import trace as _trace
 from ..launch import RankFailed
-from . import (CheckFailed, UsedCourseCode, _not_written, compare, forbid, passed, run,
+from . import (expect_arguments, CheckFailed, UsedCourseCode, _not_written, compare, forbid, passed, run,
                sizes_phrase)
 
 WORLD_SIZES = (2, 3, 4)
@@ -84,18 +84,7 @@ def _require_function_class(fn, example):
 
 
 def _require_callable(fn, n_args, example):
-    name = getattr(fn, "__name__", repr(fn))
-    if not callable(fn) or isinstance(fn, type):
-        raise TypeError(f"the check needs your function, e.g. {example}; got {fn!r}.")
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return name
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) != n_args and not any(p.kind == p.VAR_POSITIONAL for p in params):
-        raise TypeError(f"{name} should take {n_args} arguments, as in {example}; it takes "
-                        f"{len(positional)}.")
-    return name
+    return expect_arguments(fn, n_args, example, getattr(fn, "__name__", repr(fn)))
 
 
 def _returned_tensor(out, like, what):

@@ -16,11 +16,9 @@ import torch.nn.functional as F
 
 from .. import pipeline_parallel as pp
 from .. import pipeline_schedules as ps
-from ..launch import RankFailed, RunTimeout
 from ..models import batches_of, make_mlp, regression_data
 from . import (CheckFailed, UsedCourseCode, call_learner, compare, forbid, passed, run_learner,
                sizes_phrase)
-from .ch03 import _where_ranks_wait
 
 TIMEOUT = 20       # a learner's deadlock is reported, with where each rank waits, within this
 PIPELINE_RULE = ("in a pipeline, rank r only sends its output to rank r+1 and its input's "
@@ -157,19 +155,8 @@ def _step_on_rank(rank, world_size, fn, batch):
 
 def _run_step(fn, world_size, batch):
     """The learner's step with its trace; course code and deadlocks become one sentence."""
-    try:
-        return run_learner(_step_on_rank, world_size, fn, batch, name="pipeline_step",
-                           timeout=TIMEOUT, trace=True)
-    except RankFailed as e:
-        if e.exc_type == UsedCourseCode.__name__:
-            raise CheckFailed(str(e.exception or e).splitlines()[-1]) from None
-        raise
-    except RunTimeout as e:
-        where = _where_ranks_wait(e, world_size)
-        if where is None:
-            raise
-        raise CheckFailed(f"pipeline_step with world_size={world_size} deadlocked (no rank "
-                          f"finished in {TIMEOUT} s): {where}. {DEADLOCK_RULE}") from None
+    return run_learner(_step_on_rank, world_size, fn, batch, name="pipeline_step",
+                       timeout=TIMEOUT, trace=True, deadlock_rule=DEADLOCK_RULE)
 
 
 def _size(nbytes):

@@ -13,7 +13,6 @@ Calling the course's own function (`distlab.moe.route`, `load_balancing_loss`,
 `distlab.expert_parallel.dispatch_plan`, `combine`) is refused: the exercise is to write it.
 """
 import contextlib
-import inspect
 
 import torch
 
@@ -22,7 +21,7 @@ from .. import moe as moe_lib
 from .. import trace as _trace
 from ..launch import RankFailed
 from ..moe import Routing, make_moe, route
-from . import (CheckFailed, UsedCourseCode, call_learner, compare, forbid, passed, run_learner,
+from . import (expect_arguments, CheckFailed, UsedCourseCode, call_learner, compare, forbid, passed, run_learner,
                sizes_phrase)
 
 D_MODEL = 8
@@ -60,18 +59,7 @@ def _called(fn, *args, name):
 
 
 def _require(fn, n_args, example):
-    name = getattr(fn, "__name__", repr(fn))
-    if not callable(fn) or isinstance(fn, type):
-        raise TypeError(f"the check needs your function, e.g. {example}; got {fn!r}.")
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return name
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) != n_args and not any(p.kind == p.VAR_POSITIONAL for p in params):
-        raise TypeError(f"{name} should take {n_args} arguments, as in {example}; it takes "
-                        f"{len(positional)}.")
-    return name
+    return expect_arguments(fn, n_args, example, getattr(fn, "__name__", repr(fn)))
 
 
 def _routing(case, seed):

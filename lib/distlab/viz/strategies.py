@@ -6,12 +6,16 @@ DEVICE_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52"]
 GREY = "#D0D0D0"
 
 # For each strategy: per device, which cells of a 4-layer x 4-column model it holds, and which
-# quarter of the batch it sees. A cell is (layer, column); "all" means the whole model.
+# quarter of the batch it sees. A cell is (layer, column). ZeRO-3 also has cells it only borrows:
+# the rest of each layer, gathered for a moment and freed (drawn hatched and pale).
+EVERYTHING = [(l, c) for l in range(4) for c in range(4)]
+
 STRATEGIES = [
     ("Data parallel (DDP)", "every device: the whole model,\nits own quarter of the batch",
-     lambda d: [(l, c) for l in range(4) for c in range(4)], lambda d: [d]),
-    ("Sharded data parallel\n(ZeRO-3 / FSDP)", "each device stores 1/4 of every layer;\n"
-     "gathers a layer just before using it", lambda d: [(l, d) for l in range(4)], lambda d: [d]),
+     lambda d: EVERYTHING, lambda d: [d]),
+    ("Sharded data parallel\n(ZeRO-3 / FSDP)", "stores 1/4 of every layer (solid); gathers the\n"
+     "rest just to use it (hatched); own batch",
+     lambda d: [(l, d) for l in range(4)], lambda d: [d], lambda d: EVERYTHING),
     ("Tensor parallel", "each layer's matrices split by column;\nall devices see the same batch",
      lambda d: [(l, d) for l in range(4)], lambda d: [0, 1, 2, 3]),
     ("Pipeline parallel", "consecutive layers per device;\nmicro-batches flow down the stages",
@@ -24,15 +28,22 @@ STRATEGIES = [
 def strategy_map(figsize=(15, 4.2)):
     """Five panels; in each, four devices side by side, each showing what it holds."""
     fig, axes = plt.subplots(1, len(STRATEGIES), figsize=figsize)
-    for ax, (title, caption, holds, batch) in zip(axes, STRATEGIES):
+    for ax, (title, caption, holds, batch, *borrowed) in zip(axes, STRATEGIES):
         for d in range(4):
             x0 = d * 1.25
             held = set(holds(d))
+            lent = set(borrowed[0](d)) - held if borrowed else set()
             for layer in range(4):
                 for col in range(4):
-                    color = DEVICE_COLORS[d] if (layer, col) in held else "white"
+                    cell = (layer, col)
+                    color = DEVICE_COLORS[d] if cell in held | lent else "white"
                     ax.add_patch(Rectangle((x0 + col * 0.25, 3 - layer), 0.25, 0.9,
-                                           facecolor=color, edgecolor=GREY, linewidth=0.6))
+                                           facecolor=color, edgecolor=GREY, linewidth=0.6,
+                                           alpha=0.3 if cell in lent else 1.0))
+                    if cell in lent:
+                        ax.add_patch(Rectangle((x0 + col * 0.25, 3 - layer), 0.25, 0.9,
+                                               fill=False, hatch="////", edgecolor="white",
+                                               linewidth=0))
             for q in range(4):  # the batch, in quarters, under the device
                 seen = q in batch(d)
                 ax.add_patch(Rectangle((x0 + q * 0.25, -0.9), 0.25, 0.5,
