@@ -54,9 +54,19 @@ def test_tree_beats_ring_broadcast_on_latency_for_tiny_messages_only():
 
 
 def test_bus_bandwidth_of_a_perfect_ring_is_the_link_bandwidth():
-    for n in (2, 8):
-        seconds = predict("ring_all_reduce", S, n, Link(0.0, 20e9))
-        assert cost.bus_bandwidth("ring_all_reduce", S, n, seconds) == pytest.approx(20e9)
+    # Times written out by hand (a ring all-reduce moves 2(N-1)/N of the tensor over each link),
+    # so a wrong byte count in the model cannot cancel out between predict and bus_bandwidth.
+    b = 20e9
+    for n in (2, 3, 8):
+        seconds = 2 * (n - 1) / n * S / b
+        assert predict("ring_all_reduce", S, n, Link(0.0, b)) == pytest.approx(seconds, rel=1e-12)
+        assert cost.bus_bandwidth("ring_all_reduce", S, n, seconds) == pytest.approx(b, rel=1e-12)
+    # nccl-tests' convention: bus bandwidth = algorithm bandwidth (S / t) x 2(N-1)/N for an
+    # all-reduce, x (N-1)/N for an all-gather or reduce-scatter of the whole tensor S.
+    assert cost.bus_bandwidth("ring_all_reduce", 1e9, 4, 0.5) == pytest.approx(3e9, rel=1e-12)
+    assert cost.bus_bandwidth("ring_all_gather", 1e9, 4, 0.5) == pytest.approx(1.5e9, rel=1e-12)
+    assert cost.bus_bandwidth("ring_reduce_scatter", 1e9, 5, 0.1) == pytest.approx(8e9, rel=1e-12)
+    assert cost.bus_bandwidth("send", 1e9, 2, 0.5) == pytest.approx(2e9, rel=1e-12)
 
 
 def test_unknown_collective_and_bad_sizes_are_refused():
@@ -64,6 +74,43 @@ def test_unknown_collective_and_bad_sizes_are_refused():
         terms("ring_all_reduc", S, 4)
     with pytest.raises(ValueError, match="world_size >= 1"):
         terms("ring_all_reduce", S, 0)
+
+
+# ---- the memory model, against numbers worked out by hand ----------------------------------------
+
+def test_bytes_per_parameter_of_each_precision_and_optimizer():
+    from distlab.memory import bytes_per_parameter
+    # bf16 weights and gradients; Adam's two fp32 moments (8) + the fp32 master copy (4).
+    assert bytes_per_parameter("bf16-mixed", "adam") == {"weights": 2, "grads": 2, "optimizer": 12}
+    # fp32: the weights are their own master copy; Adam keeps only its two moments.
+    assert bytes_per_parameter("fp32", "adam") == {"weights": 4, "grads": 4, "optimizer": 8}
+    assert bytes_per_parameter("fp32", "sgd-momentum") == {"weights": 4, "grads": 4, "optimizer": 4}
+    assert bytes_per_parameter("fp32", "sgd") == {"weights": 4, "grads": 4, "optimizer": 0}
+    assert bytes_per_parameter("bf16-mixed", "sgd") == {"weights": 2, "grads": 2, "optimizer": 4}
+
+
+@pytest.mark.parametrize("stage, expected", [
+    # The ZeRO paper's example (§5, Figure 1): 7.5B parameters, bf16 + Adam, 64 ranks.
+    (0, {"weights": 15e9, "grads": 15e9, "optimizer": 90e9}),          # 120 GB
+    (1, {"weights": 15e9, "grads": 15e9, "optimizer": 90e9 / 64}),     # 31.4 GB
+    (2, {"weights": 15e9, "grads": 15e9 / 64, "optimizer": 90e9 / 64}),  # 16.6 GB
+    (3, {"weights": 15e9 / 64, "grads": 15e9 / 64, "optimizer": 90e9 / 64}),  # 1.9 GB
+])
+def test_each_zero_stage_holds_the_bytes_of_the_zero_paper(stage, expected):
+    from distlab.memory import model_state_bytes
+    got = model_state_bytes(7.5e9, "bf16-mixed", "adam", zero_stage=stage, world_size=64)
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert sum(got.values()) / 1e9 == pytest.approx([120, 31.4, 16.6, 1.9][stage], abs=0.05)
+
+
+def test_fp32_adam_state_per_rank_at_four_ranks():
+    from distlab.memory import model_state_bytes
+    n = 1000
+    assert [model_state_bytes(n, "fp32", "adam", s, 4) for s in range(4)] == [
+        {"weights": 4000, "grads": 4000, "optimizer": 8000},
+        {"weights": 4000, "grads": 4000, "optimizer": 2000},
+        {"weights": 4000, "grads": 1000, "optimizer": 2000},
+        {"weights": 1000, "grads": 1000, "optimizer": 2000}]
 
 
 def synthetic(link, noise=0.0, seed=0):

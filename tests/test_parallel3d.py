@@ -50,6 +50,9 @@ def _train_and_compare(rank, world_size, dp, pp, tp, steps, batch, n_micro):
     (1, 3, 1, 6, 3),     # three pipeline stages (odd), micro-batches of 2
     (3, 1, 1, 6, 1),     # three data-parallel replicas (odd)
     (1, 2, 2, 4, 2),     # pipeline x tensor without data parallel
+    (1, 1, 1, 4, 2),     # one rank
+    (5, 1, 1, 15, 1),    # five replicas
+    (1, 3, 2, 6, 3),     # six ranks: 4 blocks over 3 stages (1, 2, 1)
 ])
 def test_3d_equals_single_process(dp, pp, tp, batch, n_micro):
     results = distlab.run(_train_and_compare, dp * pp * tp, dp, pp, tp, 3, batch, n_micro,
@@ -62,6 +65,23 @@ def test_3d_equals_single_process(dp, pp, tp, batch, n_micro):
     assert results[0][1]["gathered"] < 1e-12
     # The loss moves: equal curves are not equal because nothing happened.
     assert results[0][0][0][1] != pytest.approx(results[0][0][-1][1], abs=1e-3)
+
+
+def _tp_that_does_not_divide(rank, world_size):
+    p3.Stage3D.from_dense(make_gpt(seed=0, **CFG), p3.Mesh3D(1, 1, world_size))
+
+
+def test_a_tp_size_that_does_not_divide_the_model_is_a_clear_error():
+    # d_model 16 with 2 heads: no 5-way split of the heads or of the matrices.
+    with pytest.raises(distlab.RankFailed, match=r"does not split evenly across 5 tensor-parallel "
+                                                 r"ranks; choose a multiple of 5\."):
+        distlab.run(_tp_that_does_not_divide, 5, timeout=120)
+
+
+def test_a_batch_that_does_not_split_into_micro_batches_is_a_clear_error():
+    with pytest.raises(distlab.RankFailed, match="each data-parallel rank's 5 samples do not "
+                                                 "split into 2 equal micro-batches"):
+        distlab.run(_train_and_compare, 1, 1, 1, 1, 1, 5, 2, timeout=120)
 
 
 def _train_without_dp_average(rank, world_size):
@@ -102,10 +122,30 @@ def test_layout_table_names_every_rank():
 def test_candidates_split_the_gpus_the_model_and_the_batch():
     from distlab import layout
     found = layout.candidates(32, 8, layers=40, heads=40, global_batch=512, micro_batch=1)
-    assert (32, 1, 1) in found and (4, 2, 4) in found
-    for dp, pp, tp in found:
-        assert dp * pp * tp == 32 and 8 % tp == 0 and 40 % tp == 0 and 40 % pp == 0
-    assert (4, 1, 8) in found and all(tp != 16 for _, _, tp in found)   # tp stays in a node
+    assert (32, 1, 1, 1) in found and (4, 2, 1, 4) in found
+    for dp, pp, cp, tp in found:
+        assert dp * pp * tp == 32 and cp == 1 and 8 % tp == 0 and 40 % tp == 0 and 40 % pp == 0
+    assert (4, 1, 1, 8) in found and all(tp != 16 for *_, tp in found)   # tp stays in a node
+    with_cp = layout.candidates(32, 8, layers=40, heads=40, global_batch=512, micro_batch=1,
+                                cps=(1, 4), seq_len=1000)
+    assert (2, 1, 4, 4) in with_cp and all(dp * pp * cp * tp == 32 for dp, pp, cp, tp in with_cp)
+    # zig-zag needs 2·cp chunks of the sequence: 1000 tokens split into 8 but not into 16
+    assert not layout.candidates(32, 8, 40, 40, 512, 1, cps=(8,), seq_len=1000)
+
+
+def test_context_parallelism_divides_activations_and_pays_ring_traffic():
+    from distlab import cost, layout, memory
+    base = layout.price("Llama-2 7B", dp=4, pp=1, tp=8, seq_len=32768, global_batch=64)
+    with_cp = layout.price("Llama-2 7B", dp=1, pp=1, tp=8, cp=4, seq_len=32768, global_batch=64)
+    n, layers, hidden, heads = memory.PRESETS["Llama-2 7B"]
+    acts = memory.activation_bytes(32768, 1, hidden, layers, heads, True)
+    states = sum(memory.model_state_bytes(n / 8, zero_stage=1, world_size=4).values())
+    assert with_cp["gb"] == pytest.approx((states + acts / 32) / 1e9)
+    assert base["cp_s"] == 0.0 and with_cp["cp_s"] > 0
+    m = 64                     # micro-batches per dp rank: one dp rank of micro-batch 1
+    hop = cost.predict("send", 2 * 32768 // 4 * hidden / 8, 2, cost.INTER_NODE)
+    assert with_cp["cp_s"] == pytest.approx(m * layers * 3 * 6 * hop)
+    assert with_cp["compute_s"] == pytest.approx(base["compute_s"])     # same 32 GPUs
 
 
 def test_price_follows_the_cost_and_memory_models():

@@ -1,5 +1,5 @@
 """Tensor parallelism equals the dense model: outputs, every gradient (weights, biases, input) and
-parameters after several optimizer steps, at TP 2, 3 and 4, with and without sequence parallel;
+parameters after several optimizer steps, at TP 1 to 6, with and without sequence parallel;
 the communication is what the formula says; DTensor's parallelize_module gives our numbers."""
 import pytest
 import torch
@@ -66,7 +66,7 @@ def _functions_case(rank, ws):
     return True
 
 
-@pytest.mark.parametrize("ws", [2, 3, 4])
+@pytest.mark.parametrize("ws", [1, 2, 3, 4, 5, 6])
 def test_communication_functions_forward_and_backward(ws):
     assert distlab.run(_functions_case, ws, timeout=TIMEOUT) == [True] * ws
 
@@ -103,7 +103,7 @@ def _linear_case(rank, ws):
     return True
 
 
-@pytest.mark.parametrize("ws", [2, 3, 4])
+@pytest.mark.parametrize("ws", [1, 2, 3, 4, 5, 6])
 def test_column_and_row_linear_equal_dense(ws):
     assert distlab.run(_linear_case, ws, timeout=TIMEOUT) == [True] * ws
 
@@ -155,7 +155,7 @@ def _both_modes_case(rank, ws):
     return [_train_block_case(rank, ws, sp) for sp in (False, True)]
 
 
-@pytest.mark.parametrize("ws", [2, 3, 4])
+@pytest.mark.parametrize("ws", [1, 2, 3, 4, 5, 6])
 def test_block_trains_like_dense_with_and_without_sequence_parallel(ws):
     assert distlab.run(_both_modes_case, ws, timeout=TIMEOUT) == [[True, True]] * ws
 
