@@ -87,16 +87,25 @@ class ZeRO:
 
     Stage 3 with `prefetch=True` launches the all-gather of the next layer (in the order the
     modules were defined; the previous one in backward) asynchronously while this layer computes.
+
+    Mixed precision (`compute_dtype=torch.bfloat16`): the shards stay in the model's dtype (fp32
+    master weights, and the optimizer's state beside them); the model's own parameters become
+    compute_dtype copies, gathered in compute_dtype (the shard is cast, then all-gathered), and
+    forward inputs are cast to it. Gradients come out of backward in compute_dtype and are
+    reduce-scattered and kept in `reduce_dtype` (default compute_dtype; float32 reduces more
+    exactly for twice the bytes), then cast to the master's dtype just before the step.
     """
 
     def __init__(self, model, stage, group=None, optimizer=None, lr=None, *, optimizer_class=None,
-                 prefetch=False, **defaults):
+                 prefetch=False, compute_dtype=None, reduce_dtype=None, **defaults):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {stage!r}.")
         if prefetch and stage != 3:
             raise ValueError(f"prefetch gathers the next layer's parameters, which only stage 3 "
                              f"shards; got prefetch=True with stage {stage}.")
         self.prefetch, self._pending = prefetch, {}
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype if reduce_dtype is not None else compute_dtype
         optimizer_class, defaults = _optimizer(optimizer, optimizer_class, lr, **defaults)
         self.model, self.stage, self.group = model, stage, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -111,8 +120,18 @@ class ZeRO:
             lo, hi = chunk_bounds(p.numel(), self.world, self.rank)
             flat = p.data.view(-1)[lo:hi]
             # Stages 1-2: the shard is a view of the full parameter, updated in place.
-            # Stage 3: the full parameter is about to be freed, so the shard owns its memory.
-            self.shards.append(torch.nn.Parameter(flat.clone() if stage == 3 else flat))
+            # Stage 3: the full parameter is about to be freed, so the shard owns its memory;
+            # so does the master shard of mixed precision (the parameter changes dtype below).
+            own = stage == 3 or compute_dtype is not None
+            self.shards.append(torch.nn.Parameter(flat.clone() if own else flat))
+            if compute_dtype is not None:   # its gradient waits in reduce_dtype until the step
+                self.shards[-1].grad_dtype = None
+        if compute_dtype is not None:
+            with torch.no_grad():
+                for p in model.parameters():       # frozen ones too: forward needs one dtype
+                    if p.is_floating_point():
+                        p.data = p.data.to(compute_dtype)
+            model.register_forward_pre_hook(self._cast_inputs)
         self.optimizer = optimizer_class(self.shards, **defaults)
         if stage >= 2:
             for p, s in zip(self.params, self.shards):
@@ -135,16 +154,16 @@ class ZeRO:
 
     def _all_gather_param(self, p, shard):
         """Fill p (its full storage) from every rank's shard."""
-        p.data.view(-1).copy_(gather_flat(shard.data, p.numel(), self.group))
+        p.data.view(-1).copy_(gather_flat(shard.data.to(p.dtype), p.numel(), self.group))
         self.sent["all_gather"] += math.ceil(p.numel() / self.world) * p.element_size() * \
             (self.world - 1)
 
     def _reduce_scatter_grad(self, grad, shard):
         """Average `grad` over the ranks, keeping only this rank's slice (in shard.grad)."""
-        padded, c = self._padded(grad.reshape(-1))
-        out = torch.empty(c, dtype=grad.dtype, device=grad.device)
+        padded, c = self._padded(grad.reshape(-1).to(self.reduce_dtype or grad.dtype))
+        out = torch.empty(c, dtype=padded.dtype, device=grad.device)
         dist.reduce_scatter(out, list(padded.split(c)), group=self.group)
-        self.sent["reduce_scatter"] += c * grad.element_size() * (self.world - 1)
+        self.sent["reduce_scatter"] += c * padded.element_size() * (self.world - 1)
         mine = out[:shard.numel()] / self.world
         shard.grad = mine if shard.grad is None else shard.grad + mine
 
@@ -176,7 +195,8 @@ class ZeRO:
         for p in self._owner[module]:
             if p.untyped_storage().nbytes() == 0 and module not in self._pending:
                 p.untyped_storage().resize_(p.numel() * p.element_size())
-                shard, c = self.shards[self._index(p)].data, math.ceil(p.numel() / self.world)
+                shard = self.shards[self._index(p)].data.to(p.dtype)     # compute dtype
+                c = math.ceil(p.numel() / self.world)
                 mine = torch.nn.functional.pad(shard, (0, c - shard.numel()))  # equal sizes
                 parts = [torch.empty_like(mine) for _ in range(self.world)]
                 works.append((p, parts, dist.all_gather(parts, mine, group=self.group,
@@ -211,13 +231,22 @@ class ZeRO:
                 if p.grad is None:  # unused in this step: skipped, as by the optimizer on one process
                     continue
                 self._reduce_scatter_grad(p.grad, s)
+                if s.grad.dtype != p.grad.dtype:      # reduced in another dtype: its own tensor
+                    continue
                 lo, hi = chunk_bounds(p.numel(), self.world, self.rank)
                 p.grad.view(-1)[lo:hi].copy_(s.grad)  # keep the averaged slice in place...
                 s.grad = p.grad.view(-1)[lo:hi]       # ...so it costs no extra memory
+        for s in self.shards:                         # mixed precision: the step is in fp32
+            if s.grad is not None and s.grad.dtype != s.dtype:
+                s.grad = s.grad.to(s.dtype)
         self.optimizer.step()
         if self.stage < 3:  # every rank needs the full updated weights for the next forward
             for p, s in zip(self.params, self.shards):
                 self._all_gather_param(p, s)
+
+    def _cast_inputs(self, module, args):
+        return tuple(a.to(self.compute_dtype) if isinstance(a, torch.Tensor) and
+                     a.is_floating_point() else a for a in args)
 
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
@@ -228,8 +257,8 @@ class ZeRO:
         """Every parameter, whole, in model order (gathers them under stage 3)."""
         out = []
         for p, s in zip(self.params, self.shards):
-            full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-            if self.stage == 3:
+            full = torch.empty(p.shape, dtype=s.dtype, device=p.device)
+            if self.stage == 3 or s.dtype != p.dtype:   # mixed precision: the fp32 master
                 full.view(-1).copy_(gather_flat(s.data, p.numel(), self.group))
             else:
                 full.copy_(p.data)

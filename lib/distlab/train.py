@@ -17,25 +17,28 @@ inside the node), so only the dp all-reduces cross the network:
              --rdzv-endpoint=node0.example:29500 --rdzv-id=gpt3d \\
              -m distlab.train --dp 2 --pp 2 --tp 4 --ckpt /shared/run1
 
-(--ckpt must then be a folder every node sees: rank 0 writes it, every rank reads it.)
+(--ckpt must then be a folder every node sees: every rank writes its part, every rank reads.)
 
-Only rank 0 logs. Every --save-every steps, and at the end, the dense model is gathered to rank 0,
-which writes it to <ckpt>/checkpoint.pt (a temporary file, then an atomic rename, so a crash
-never leaves half a checkpoint); a barrier keeps every rank until the file is whole. When the
-checkpoint exists at start, every rank reads it and training continues from its step: the data
-of step s is a fixed function of s, so a resumed run sees exactly the batches it would have seen.
-The checkpoint holds the DENSE model, so a run may resume under a different (dp, pp, tp).
+Only rank 0 logs. Every --save-every steps, and at the end, every rank writes its part of the
+model, of Adam's state and its random state with torch.distributed.checkpoint (distlab.checkpoint)
+to <ckpt>/step-<n>; <ckpt>/latest points at the newest complete one. When it exists at start,
+every rank reads the part it needs and training continues from its step: the data of step s is a
+fixed function of s, so a resumed run sees exactly the batches it would have seen. The checkpoint
+is written under the DENSE model's names, so a run may resume under a different (dp, pp, tp).
 
 The script's options are chosen so that none is a prefix of one of torchrun's (torchrun reads
 abbreviations: a script option `--n` would be taken as ambiguous torchrun option).
 """
 import argparse
 import os
+import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
+from . import checkpoint as ckpt
 from . import parallel3d as p3
 from .models import batches_of, make_gpt, token_data
 
@@ -52,13 +55,21 @@ def parser():
     ap.add_argument("--steps", type=int, default=6, help="total optimizer steps of the run")
     ap.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
     ap.add_argument("--micro", type=int, default=2, help="micro-batches per data-parallel rank")
-    ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--optim", choices=("sgd", "adam"), default="sgd",
+                    help="plain SGD, or Adam (whose moments the checkpoint also holds)")
+    ap.add_argument("--lr", type=float, default=0.1, help="learning rate")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the model's initial weights and of the data")
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                    help="precision of weights, activations and gradients (a run resumes in "
+                         "the precision it was saved in)")
     ap.add_argument("--ckpt", default=None, help="folder of the checkpoint (resume from it)")
     ap.add_argument("--save-every", type=int, default=0, help="also save every k steps")
     ap.add_argument("--stop-after", type=int, default=None,
                     help="stop after this step, as if the job were preempted (to try resuming)")
+    ap.add_argument("--kill-at", type=int, default=None,
+                    help="on the first attempt only (TORCHELASTIC_RESTART_COUNT=0), the last "
+                         "rank kills itself with SIGKILL before this step: a crash to restart from")
     return ap
 
 
@@ -66,43 +77,69 @@ def parse(argv=None):
     return parser().parse_args(argv)
 
 
-def checkpoint_path(args):
-    return os.path.join(args.ckpt, "checkpoint.pt") if args.ckpt else None
-
-
 def log(*words):
     if dist.get_rank() == 0:
         print(*words, flush=True)
 
 
-def save(stage, mesh, args, step, losses):
-    """Collective: gather the dense model to rank 0; rank 0 writes; everyone waits for it."""
-    dense = p3.dense_state_dict(stage, mesh)
-    if dist.get_rank() == 0:
-        os.makedirs(args.ckpt, exist_ok=True)
-        path = checkpoint_path(args)
-        torch.save(dict(step=step, model=dense, losses=losses, config=CONFIG, layers=args.layers,
-                        seed=args.seed), path + ".tmp")
-        os.replace(path + ".tmp", path)
-        log(f"saved step {step} to {path}")
+def refuse(message):
+    """Stop every rank for a reason they all found; rank 0 alone says it, in one sentence.
+
+    Collective. The other ranks leave first, quietly and with exit code 0, so that the message is
+    printed once (not once per rank, interleaved) and torchrun lists one failure, rank 0's.
+    """
     dist.barrier()
+    if dist.get_rank() != 0:
+        raise SystemExit(0)
+    time.sleep(0.3)      # the others' exits, seen by torchrun before this one
+    raise SystemExit(message)
 
 
-def load(args):
-    """(first step, dense model, losses so far): from the checkpoint if there is one."""
-    # The training dtype before loading: load_state_dict casts to the model's dtype, and a
-    # float64 checkpoint read into float32 would not continue the same run.
-    model = make_gpt(seed=args.seed, n_layers=args.layers, **CONFIG).to(getattr(torch, args.dtype))
-    path = checkpoint_path(args)
-    if not path or not os.path.exists(path):
-        return 0, model, []
-    state = torch.load(path, map_location="cpu")
-    if state["layers"] != args.layers or state["config"] != CONFIG:
-        raise SystemExit(f"{path} holds a different model ({state['layers']} blocks); start "
-                         f"with another --ckpt folder or the same --layers.")
-    model.load_state_dict(state["model"])
-    log(f"resumed from {path} at step {state['step']}")
-    return state["step"], model, state["losses"]
+class Adam:
+    """torch.optim.Adam's update (its single-tensor path, bit for bit) on this rank's shards.
+
+    Written out because building torch.optim.Adam imports torch._dynamo: seconds in every fresh
+    torchrun worker. `state[name]` holds the moments of this rank's shard of parameter `name`.
+    """
+
+    def __init__(self, stage, lr, betas=(0.9, 0.999), eps=1e-8):
+        self.params, self.lr, self.betas, self.eps, self.steps = dict(stage.named_parameters()), \
+            lr, betas, eps, 0
+        self.state = {n: dict(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                      for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def step(self):
+        self.steps += 1
+        (b1, b2), t = self.betas, self.steps
+        for name, p in self.params.items():
+            m, v = self.state[name]["exp_avg"], self.state[name]["exp_avg_sq"]
+            m.lerp_(p.grad, 1 - b1)
+            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            denom = (v.sqrt() / (1 - b2 ** t) ** 0.5).add_(self.eps)
+            p.addcdiv_(m, denom, value=-self.lr / (1 - b1 ** t))
+
+
+def save(stage, mesh, args, step, losses, optimizer):
+    """Collective: every rank writes its part of the run at `step` (see distlab.checkpoint)."""
+    path = ckpt.save(args.ckpt, step, stage, mesh, optimizer,
+                     dict(losses=losses, next_sample=step * args.batch, config=CONFIG,
+                          layers=args.layers, seed=args.seed, optim=args.optim))
+    log(f"saved step {step} to {path}")
+
+
+def load(args, model, stage, mesh, optimizer):
+    """(first step, losses so far): from the newest checkpoint, if there is one (collective)."""
+    path = ckpt.latest(args.ckpt) if args.ckpt else None
+    if path is None:
+        return 0, []
+    # Every rank reads the same small metadata file, so they all refuse together or not at all.
+    why = ckpt.mismatch(path, model, optimizer)
+    if why:
+        refuse(why)
+    meta = ckpt.load(path, stage, mesh, optimizer)
+    log(f"resumed from {path} at step {meta['step']}")
+    return meta["step"], meta["losses"]
 
 
 def pick_backend():
@@ -112,6 +149,24 @@ def pick_backend():
     return "gloo"
 
 
+def init_process_group(backend):
+    """init_process_group, safe to repeat after torchrun restarts the workers (--max-restarts).
+
+    torchrun (2.13) keeps ONE store for all attempts, and the workers' keys of a killed attempt
+    stay in it: a restarted gloo group may read a dead worker's address ("Connection refused").
+    A key prefix per attempt keeps the attempts apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"distlab/attempt{attempt}", store),
+                                rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group(backend)
+
+
 def main(args):
     """Runs on every rank, under torchrun (or distlab.run with init=False)."""
     backend = pick_backend()
@@ -119,15 +174,19 @@ def main(args):
     if backend == "nccl":
         on = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(on)
-    dist.init_process_group(backend)
+    init_process_group(backend)
     try:
         world = dist.get_world_size()
         if args.dp * args.pp * args.tp != world:
-            raise SystemExit(f"--dp {args.dp} x --pp {args.pp} x --tp {args.tp} = "
-                             f"{args.dp * args.pp * args.tp} ranks, but {world} were started.")
+            refuse(f"--dp {args.dp} x --pp {args.pp} x --tp {args.tp} = "
+                   f"{args.dp * args.pp * args.tp} ranks, but {world} were started.")
         mesh = p3.Mesh3D(args.dp, args.pp, args.tp)
-        start, model, losses = load(args)
+        # The training dtype before loading: a float64 checkpoint read into float32 would not
+        # continue the same run (the guard in load refuses it).
+        model = make_gpt(seed=args.seed, n_layers=args.layers, **CONFIG).to(getattr(torch, args.dtype))
         stage = p3.Stage3D.from_dense(model, mesh, on)
+        optimizer = Adam(stage, args.lr) if args.optim == "adam" else None
+        start, losses = load(args, model, stage, mesh, optimizer)
         log(f"{world} ranks ({backend}) as dp={args.dp} x pp={args.pp} x tp={args.tp}; "
             f"steps {start}..{args.steps - 1}")
         x, y = token_data(n=8 * args.batch, seq_len=CONFIG["seq_len"], vocab=CONFIG["vocab"],
@@ -135,24 +194,48 @@ def main(args):
         batches = batches_of(x, y, args.batch, args.steps)
         step = start
         for step in range(start, args.steps):
+            if args.kill_at == step and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+                dist.barrier()          # rank 0 has logged the steps before: a log in order
+                if dist.get_rank() == world - 1:
+                    print(f"rank {world - 1}: kill -9 myself before step {step}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
             xb, yb = batches[step]
-            loss = p3.train_step(stage, mesh, xb, yb, args.micro, args.lr)
+            # With Adam, train_step's own SGD update gets lr 0 (p - 0*g is p, exactly).
+            loss = p3.train_step(stage, mesh, xb, yb, args.micro, 0.0 if optimizer else args.lr)
+            if optimizer:
+                optimizer.step()
             losses.append(loss)
             log(f"step {step} loss {loss:.6f}")
             done = step + 1
             if args.stop_after is not None and step >= args.stop_after:
                 break
             if args.ckpt and args.save_every and done % args.save_every == 0 and done < args.steps:
-                save(stage, mesh, args, done, losses)
+                save(stage, mesh, args, done, losses, optimizer)
         if args.ckpt:
-            save(stage, mesh, args, len(losses), losses)
+            save(stage, mesh, args, len(losses), losses, optimizer)
         return losses
     finally:
         dist.destroy_process_group()
 
 
 def _on_rank(rank, world_size, args):
-    return main(args)
+    try:
+        return main(args)
+    except SystemExit as e:
+        if e.code:              # rank 0's reason to stop: the parent says it
+            raise
+        return None             # another rank of a refused run: nothing to add
+
+
+def _launch_here(args):
+    """Start the ranks of a run on this machine (no torchrun); a refusal stays one sentence."""
+    import distlab
+    try:
+        distlab.run(_on_rank, args.dp * args.pp * args.tp, args, init=False, timeout=None)
+    except distlab.RankFailed as e:
+        if isinstance(e.exception, SystemExit):
+            raise SystemExit(e.exception.code) from None
+        raise
 
 
 if __name__ == "__main__":
@@ -160,6 +243,5 @@ if __name__ == "__main__":
     if "RANK" in os.environ:        # started by torchrun: this process is one rank
         main(args)
     else:                            # plain python: start the ranks here, one process each
-        import distlab
-        distlab.run(_on_rank, args.dp * args.pp * args.tp, args, init=False, timeout=None)
+        _launch_here(args)
         sys.exit(0)

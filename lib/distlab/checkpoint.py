@@ -1,0 +1,168 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), resumable under another layout.
+
+    save(folder, step, stage, mesh, optimizer, meta)     # collective: every rank writes its part
+    step, meta = load(folder, stage, mesh, optimizer, dense_model)   # collective: each rank reads its part
+    everything = read(folder)                             # one process, no process group (tests, notebooks)
+
+What is written, under DENSE names (the names of the one-process model), so that the files do
+not depend on the (dp, pp, tp) layout that wrote them:
+- "model.<name>": every parameter, whole. Each rank first all-gathers its tensor-parallel shards
+  (inside its stage), so the ranks of one stage all hold the same full tensors and the dp replicas
+  hold them too; DCP's planner DEDUPLICATES keys that several ranks offer, so each tensor is
+  written once, by one rank, and the stages write their own layers in parallel (one file per rank);
+- "optim.<name>.exp_avg" / ".exp_avg_sq" and "optim.step": Adam's state, gathered the same way;
+- "rng.<rank>": every rank's CPU random generator state;
+- "meta": step, losses so far, the data position, the model's configuration.
+
+On load each rank asks only for the keys of ITS layers (DCP reads just those bytes), then keeps
+its tensor-parallel shard of each: that is the resharding. The alternative, each tp rank writing
+only its own shard (DTensor), writes 1/tp as much per rank but ties the files to how chapter 07
+stacks q, k and v; full tensors per stage keep the format the dense model's, for 1/pp of the
+model in memory per rank at save time.
+
+Each save goes to <folder>/step-<n>; only when every rank has finished does rank 0 point
+<folder>/latest at it (write, then atomic rename). A run killed in the middle of a save resumes
+from the previous checkpoint, never from half of one.
+"""
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from .parallel3d import _unshard
+
+
+def latest(folder):
+    """The path of the newest complete checkpoint in `folder`, or None."""
+    pointer = os.path.join(folder, "latest")
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        return os.path.join(folder, f.read().strip())
+
+
+def _dense(stage, mesh, local):
+    """{dense name: full tensor} from {this stage's name: this rank's shard} (collective over tp)."""
+    out = {}
+    for name, t in local.items():
+        owner = stage.get_submodule(name.rpartition(".")[0])
+        out[stage.dense_name(name)] = _unshard(owner, name.rpartition(".")[2], t.detach(),
+                                               mesh.get_group("tp")).cpu()
+    return out
+
+
+def save(folder, step, stage, mesh, optimizer=None, meta=None):
+    """Collective: write this run's state at `step` to <folder>/step-<step>, then point latest at it."""
+    state = {f"model.{k}": v for k, v in _dense(stage, mesh, dict(stage.named_parameters())).items()}
+    if optimizer is not None:
+        for which in ("exp_avg", "exp_avg_sq"):
+            local = {n: s[which] for n, s in optimizer.state.items()}
+            state.update({f"optim.{k}.{which}": v for k, v in _dense(stage, mesh, local).items()})
+        state["optim.step"] = torch.tensor(optimizer.steps)
+    state[f"rng.{dist.get_rank()}"] = torch.get_rng_state()
+    state["meta"] = json.dumps(dict(meta or {}, step=step))
+    name = f"step-{step:06d}"
+    dcp.save(state, checkpoint_id=os.path.join(folder, name))
+    dist.barrier()                              # every rank's file is whole ...
+    if dist.get_rank() == 0:                    # ... before the checkpoint counts
+        previous = latest(folder)
+        with open(os.path.join(folder, "latest.tmp"), "w") as f:
+            f.write(name)
+        os.replace(os.path.join(folder, "latest.tmp"), os.path.join(folder, "latest"))
+        if previous and os.path.basename(previous) != name:
+            shutil.rmtree(previous, ignore_errors=True)        # keep the newest only
+    dist.barrier()
+    return os.path.join(folder, name)
+
+
+def mismatch(path, dense_model, optimizer=None):
+    """A sentence saying why the checkpoint at `path` cannot continue this run, or None."""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    mine = dense_model.state_dict()
+    names = {k[len("model."):] for k in saved if k.startswith("model.")}
+    if names != set(mine):
+        blocks = [len({k.split(".")[1] for k in ks if k.startswith("blocks.")}) for ks in (names, mine)]
+        extra, missing = sorted(names - set(mine)), sorted(set(mine) - names)
+        what = (f"has {blocks[0]} blocks, this run's has {blocks[1]}" if blocks[0] != blocks[1] else
+                f"has {extra[0]}, which this model lacks" if extra else f"lacks {missing[0]}")
+        return (f"{path} holds a different model (it {what}); start with another --ckpt folder "
+                f"or the model options it was saved with.")
+    for k, v in mine.items():
+        md = saved[f"model.{k}"]
+        if tuple(md.size) != tuple(v.shape):
+            return (f"{path} holds a different model ({k} is {tuple(md.size)}, this run's is "
+                    f"{tuple(v.shape)}); start with another --ckpt folder or the model options it "
+                    f"was saved with.")
+        if md.properties.dtype != v.dtype:
+            was, now = (str(d).removeprefix("torch.") for d in (md.properties.dtype, v.dtype))
+            return (f"{path} was saved in {was}, so it cannot continue the same run in {now}; "
+                    f"resume with --dtype {was}, or start with another --ckpt folder.")
+    if optimizer is not None and "optim.step" not in saved:
+        return (f"{path} holds no Adam state, so Adam cannot continue that run; resume with the "
+                f"optimizer it was saved with, or start with another --ckpt folder.")
+    return None
+
+
+def load(path, stage, mesh, optimizer=None):
+    """Collective: fill this rank's shards (and Adam's) from the checkpoint at `path`; its meta."""
+    params = dict(stage.named_parameters())
+    want = {}
+    for name, p in params.items():
+        full = stage.dense_name(name)
+        shape = _full_shape(stage, name, p)
+        want[f"model.{full}"] = torch.empty(shape, dtype=p.dtype)
+        if optimizer is not None:
+            for which in ("exp_avg", "exp_avg_sq"):
+                want[f"optim.{full}.{which}"] = torch.empty(shape, dtype=p.dtype)
+    if optimizer is not None:
+        want["optim.step"] = torch.tensor(0)
+    rng = f"rng.{dist.get_rank()}"
+    has_rng = rng in FileSystemReader(path).read_metadata().state_dict_metadata
+    if has_rng:
+        want[rng] = torch.get_rng_state()
+    want["meta"] = ""
+    dcp.load(want, checkpoint_id=path)          # reads only the keys asked for
+    with torch.no_grad():
+        for name, p in params.items():
+            full = stage.dense_name(name)
+            p.copy_(stage.shard_of(name, want[f"model.{full}"]).to(p.device))
+            if optimizer is not None:
+                for which in ("exp_avg", "exp_avg_sq"):
+                    optimizer.state[name][which].copy_(
+                        stage.shard_of(name, want[f"optim.{full}.{which}"]))
+    if optimizer is not None:
+        optimizer.steps = int(want["optim.step"])
+    if has_rng:        # another layout has other ranks: their streams start where these stopped
+        torch.set_rng_state(want[rng])
+    return json.loads(want["meta"])
+
+
+def _full_shape(stage, name, p):
+    """The dense shape of this rank's shard `p` of parameter `name` (shard_of, inverted)."""
+    from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    owner, attr = stage.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+    shape = list(p.shape)
+    if isinstance(owner, ColumnParallelLinear):
+        shape[0] *= owner.tp
+    elif isinstance(owner, RowParallelLinear) and attr == "weight":
+        shape[1] *= owner.tp
+    return shape
+
+
+def read(folder_or_path):
+    """The whole checkpoint in this process (no process group): {"meta", "model", "optim", "rng"}."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    import warnings
+    path = latest(folder_or_path) or folder_or_path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # "assuming ... a single process": yes
+        flat = _load_state_dict_from_keys(checkpoint_id=path)
+    out = {"meta": json.loads(flat.pop("meta")), "model": {}, "optim": {}, "rng": {}}
+    for k, v in flat.items():
+        group, _, rest = k.partition(".")
+        out[group][rest] = v
+    return out

@@ -1,0 +1,154 @@
+"""DCP checkpoints of distlab.train: Adam's state and the data position survive a stop, a kill -9
+and a change of layout, bit for bit; a checkpoint of another model or dtype is refused."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distlab import checkpoint, train
+
+COMMON = ["--dtype", "float64", "--optim", "adam", "--lr", "0.01", "--steps", "4", "--layers", "2"]
+
+
+def run_here(*options):
+    """python -m distlab.train, ranks started by distlab.run (fast: torch preloaded)."""
+    args = train.parse(COMMON + [str(o) for o in options])
+    train._launch_here(args)
+    return checkpoint.read(args.ckpt)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return run_here("--dp", 1, "--pp", 1, "--tp", 2, "--ckpt", tmp_path_factory.mktemp("whole"))
+
+
+def test_the_written_adam_is_torchs_adam_bit_for_bit():
+    torch.manual_seed(0)
+    mine, theirs = torch.nn.Linear(5, 3).double(), torch.nn.Linear(5, 3).double()
+    theirs.load_state_dict(mine.state_dict())
+    ours, ref = train.Adam(mine, lr=0.01), torch.optim.Adam(theirs.parameters(), lr=0.01, foreach=False)
+    for step in range(3):
+        x = torch.randn(4, 5, dtype=torch.float64)
+        for model in (mine, theirs):
+            model.zero_grad()
+            model(x).pow(2).sum().backward()
+        ours.step(), ref.step()
+    for a, b in zip(mine.parameters(), theirs.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(ours.state["weight"]["exp_avg_sq"], ref.state[theirs.weight]["exp_avg_sq"])
+
+
+def test_saved_under_tp2_resumed_under_pp2_equals_the_uninterrupted_run_bit_for_bit(
+        uninterrupted, tmp_path):
+    stopped = run_here("--dp", 1, "--pp", 1, "--tp", 2, "--ckpt", tmp_path, "--stop-after", 1)
+    assert stopped["meta"]["step"] == 2 and stopped["meta"]["next_sample"] == 2 * 8
+    assert stopped["optim"]["step"] == 2 and len(stopped["rng"]) == 2
+    # Another layout (4 ranks: blocks cut into 2 stages, each tensor-parallel over 2) reads the
+    # same files: each rank loads only its own stage's layers and keeps its shard of them.
+    resumed = run_here("--dp", 1, "--pp", 2, "--tp", 2, "--ckpt", tmp_path)
+    assert resumed["meta"]["losses"] == uninterrupted["meta"]["losses"]
+    assert len(resumed["rng"]) == 4
+    for part in ("model", "optim"):
+        assert resumed[part].keys() == uninterrupted[part].keys()
+        for name, value in uninterrupted[part].items():
+            assert torch.equal(resumed[part][name], value), f"{part}.{name}"
+
+
+def test_saved_under_tp2_resumed_under_dp2_matches_to_rounding(uninterrupted, tmp_path):
+    """tp=1 sums each row-parallel product in one piece, not two: equal to rounding only."""
+    run_here("--dp", 1, "--pp", 1, "--tp", 2, "--ckpt", tmp_path, "--stop-after", 1)
+    resumed = run_here("--dp", 2, "--pp", 1, "--tp", 1, "--ckpt", tmp_path)
+    # Adam divides by sqrt(v): the last bits of float64 grow to ~5e-13 in the parameters.
+    assert resumed["meta"]["losses"] == pytest.approx(uninterrupted["meta"]["losses"], abs=1e-11)
+    for name, value in uninterrupted["model"].items():
+        assert torch.allclose(resumed["model"][name], value, atol=1e-11, rtol=0), name
+
+
+@pytest.mark.parametrize("change, sentence", [
+    (["--dtype", "float32"], "was saved in float64, so it cannot continue the same run in float32; "
+                             "resume with --dtype float64, or start with another --ckpt folder."),
+    (["--layers", "3"], "holds a different model (it has 2 blocks, this run's has 3); start with "
+                        "another --ckpt folder or the model options it was saved with."),
+])
+def test_a_resume_of_another_dtype_or_model_is_refused_in_one_sentence(uninterrupted, change,
+                                                                       sentence, tmp_path):
+    run_here("--dp", 1, "--pp", 1, "--tp", 2, "--ckpt", tmp_path, "--stop-after", 0)
+    args = train.parse(COMMON + ["--dp", "1", "--pp", "1", "--tp", "2", "--ckpt", str(tmp_path)]
+                       + change)
+    with pytest.raises(SystemExit) as e:
+        train._launch_here(args)
+    assert e.value.code == f"{checkpoint.latest(str(tmp_path))} {sentence}"
+
+
+def _alive_with(marker):
+    """Pids of processes whose command line mentions `marker` (our run's unique folder)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_worker_killed_with_sigkill_is_restarted_by_torchrun_and_resumes_exactly(
+        uninterrupted, tmp_path):
+    """torchrun --max-restarts=2: rank 1 kills itself (kill -9) before step 3 on the first
+    attempt; torchrun stops rank 0, starts both again, and they resume from the step-2 save."""
+    folder = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--max-restarts=2", "-m", "distlab.train", *COMMON, "--dp", "1", "--pp", "1",
+           "--tp", "2", "--ckpt", folder, "--save-every", "2", "--kill-at", "3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _alive_with(folder):           # workers run in sessions of their own
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    assert "rank 1: kill -9 myself before step 3" in out, out[-3000:]
+    assert f"resumed from {folder}/step-000002 at step 2" in out, out[-3000:]
+    assert _alive_with(folder) == []               # no orphan outlived torchrun
+    resumed = checkpoint.read(folder)
+    assert resumed["meta"]["losses"] == uninterrupted["meta"]["losses"]
+    for name, value in uninterrupted["model"].items():
+        assert torch.equal(resumed["model"][name], value), name
+
+
+def test_the_slurm_scripts_torchrun_line_joins_two_agents_standing_in_for_two_nodes(
+        uninterrupted, tmp_path):
+    """lib/distlab/scripts/slurm_train.sh outside Slurm runs one agent; two of them, one rank
+    each, meet at the c10d rendezvous endpoint as two nodes would, and train as tp=2."""
+    import socket
+    from pathlib import Path
+    script = Path(__file__).parents[1] / "lib" / "distlab" / "scripts" / "slurm_train.sh"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = str(tmp_path / "run")
+    env = dict(os.environ, NNODES="2", NPROC="1", RDZV_HOST="127.0.0.1", PORT=str(port),
+               RDZV_ID=f"test{port}", PYTHON=sys.executable)
+    env.pop("SLURM_JOB_ID", None)
+    cmd = ["bash", str(script), *COMMON, "--dp", "1", "--pp", "1", "--tp", "2", "--ckpt", folder]
+    agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True) for _ in range(2)]
+    try:
+        outs = [a.communicate(timeout=120)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+        for pid in _alive_with(folder):
+            os.kill(pid, signal.SIGKILL)
+    assert [a.returncode for a in agents] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    logs = "".join(outs)
+    assert "2 ranks (gloo) as dp=1 x pp=1 x tp=2; steps 0..3" in logs   # one world of two agents
+    assert checkpoint.read(folder)["meta"]["losses"] == uninterrupted["meta"]["losses"]
