@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.distlab-installed
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300
 
-.PHONY: lab test regen exercises install bench gpu-check clean
+.PHONY: lab test regen exercises install bench gpu-check clean book test-browser
 
 install: $(STAMP)
 
@@ -22,8 +22,32 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab $(ROOT_FLAG) --notebook-dir=. $(LAB_ARGS) notebooks/00_why_distributed.ipynb
 
-test: $(STAMP)
+# nbgrader is an instructor's tool: installed for the tests that prove the workbooks grade, not by
+# `make lab` (learners would see its menus).
+test: $(STAMP) $(VENV)/.distlab-grading-installed
 	DISTLAB_NO_PROGRESS=1 $(PY) -m pytest tests notebooks solutions $(NBVAL) --timeout=900 -q
+
+# The course as a static site from the stored outputs (nothing is executed): docs/_build/html.
+# -W --keep-going: a broken internal link (document, anchor, image) fails the build.
+book: $(STAMP) $(VENV)/.distlab-book-installed
+	$(VENV)/bin/sphinx-build -b html -c docs -W --keep-going -q . docs/_build/html
+	@echo "site: docs/_build/html/index.html"
+
+$(VENV)/.distlab-grading-installed: pyproject.toml | $(STAMP)
+	$(PY) -m pip install --quiet -e '.[grading]'
+	touch $@
+
+$(VENV)/.distlab-book-installed: pyproject.toml | $(STAMP)
+	$(PY) -m pip install --quiet -e '.[book]'
+	touch $@
+
+# Chapters 04, 06, 08 in JupyterLab in headless Chromium (playwright's, or Debian's chromium).
+test-browser: $(STAMP) $(VENV)/.distlab-browser-installed
+	DISTLAB_BROWSER_TEST=1 $(PY) -m pytest tests/browser --timeout=1200 -q
+
+$(VENV)/.distlab-browser-installed: pyproject.toml | $(STAMP)
+	$(PY) -m pip install --quiet -e '.[browser]'
+	touch $@
 
 # Re-execute notebooks in place as nbval sees them: `make regen` or `make regen NB=notebooks/03_*.ipynb`
 regen: $(STAMP)

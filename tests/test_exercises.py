@@ -75,3 +75,42 @@ def test_unsolved_exercises_fail_cleanly(path):
             assert errors, f"{path.name}, cell {i}: the check passed on an unsolved exercise"
             assert "is not written yet" in errors[0].evalue or "exercise:" in errors[0].evalue
     assert checks >= 1, f"{path.name} has no check cell (chNN.check_...(...))"
+
+
+@pytest.mark.parametrize("path", EXERCISES, ids=[p.name for p in EXERCISES])
+def test_workbooks_carry_nbgrader_metadata(path):
+    """Every stub cell is an nbgrader solution cell, every check cell a locked graded cell with
+    points, grade ids unique: what `nbgrader generate_assignment` / `autograde` need."""
+    nb = nbformat.read(path, as_version=4)
+    ids = []
+    for i, cell in enumerate(nb.cells):
+        meta = cell.metadata.get("nbgrader")
+        if cell.cell_type != "code":
+            assert meta is None, f"{path.name}, cell {i}: a markdown cell marked for nbgrader"
+            continue
+        if "NotImplementedError(\"exercise:" in cell.source:
+            assert meta and meta["solution"] and not meta["grade"] and not meta["locked"], (
+                f"{path.name}, cell {i}: an exercise cell that nbgrader does not see as a solution")
+        elif CHECK_CALL.search(cell.source):
+            assert meta and meta["grade"] and meta["locked"] and meta["points"] > 0, (
+                f"{path.name}, cell {i}: a check cell that nbgrader would not grade")
+        else:
+            assert meta is None, f"{path.name}, cell {i}: marked for nbgrader but neither kind"
+            continue
+        assert meta["schema_version"] == 3
+        ids.append(meta["grade_id"])
+    assert len(ids) == len(set(ids)), f"{path.name}: duplicate grade ids {sorted(ids)}"
+
+
+def test_nbgrader_source_keeps_the_answers():
+    from distlab.exercises import nbgrader_source
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("def f(x):\n    ### BEGIN SOLUTION\n    return x\n"
+                                          "    ### END SOLUTION"),
+                nbformat.v4.new_code_cell("ch99.check_f(f)"),
+                nbformat.v4.new_code_cell("ch99.check_f(f)")]
+    out = nbgrader_source(nb, "99_x.ipynb")
+    assert "return x" in out.cells[0].source
+    assert [c.metadata.nbgrader.grade_id for c in out.cells] == [
+        "99-f", "99-check_f", "99-check_f-2"]
+    assert out.cells[1].metadata.nbgrader.points == 1

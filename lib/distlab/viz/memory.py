@@ -44,9 +44,9 @@ def memory_calculator():
     activation recomputation (none / selective / full) and the attention kernel (flash, or
     materialized s×s scores); see what one GPU holds and whether it fits in 80 GB."""
     import ipywidgets as w
-    from IPython.display import display
 
     from .. import memory
+    from ._fallback import NOTE, display_widget, figure_png
 
     controls = dict(
         model=w.Dropdown(options=list(memory.PRESETS), value="Llama-2 7B"),
@@ -62,12 +62,27 @@ def memory_calculator():
         attention=w.Dropdown(options=memory.ATTENTION, value="flash"),
     )
 
-    def draw(**kw):
+    def draw_on(ax, **kw):
         parts = memory.per_gpu_bytes(**kw)
         total = sum(parts.values())
         verdict = "fits" if total <= 80 * memory.GB else "does NOT fit"
-        memory_bars({"one GPU": parts}, capacity=80 * memory.GB,
+        memory_bars({"one GPU": parts}, capacity=80 * memory.GB, ax=ax,
                     title=f"{total / memory.GB:,.1f} GB per GPU: {verdict} in 80 GB")
+
+    def draw(**kw):
+        draw_on(None, **kw)
         plt.show()
 
-    display(w.interactive(draw, **controls))
+    for control in controls.values():  # room for the longest option beside its label
+        control.style = {"description_width": "90px"}
+        control.layout = w.Layout(width="340px")
+    widget = w.interactive(draw, **controls)
+    # Where no kernel runs (a static page), the default view as a picture instead.
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(3.2, 4))
+    chosen = {k: c.value for k, c in controls.items()}
+    draw_on(fig.add_subplot(), **chosen)
+    settings = ", ".join(f"{k} {v}" for k, v in chosen.items())
+    import textwrap
+    note = "\n".join(textwrap.wrap(f"{NOTE} Shown: {settings}.", 62))
+    display_widget(widget, figure_png(fig, note=note))

@@ -128,15 +128,17 @@ def groups_text(shape, names, color_by, highlight=None):
     return "\n".join(lines)
 
 
-def render_png(shape, names, color_by, highlight=None, dpi=80):
-    """The picture as PNG bytes, drawn without pyplot so nothing else appears in the notebook."""
+def render_png(shape, names, color_by, highlight=None, dpi=80, format="png"):
+    """The picture as PNG bytes, drawn without pyplot so nothing else appears in the notebook.
+    format="svg": vector (sharp at any size; what the explorer shows)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     fig = Figure(figsize=_figsize(tuple(shape)))
     FigureCanvasAgg(fig)
     draw_mesh(shape, names, color_by, highlight, ax=fig.add_subplot())
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+    fig.savefig(buffer, format=format, dpi=dpi, bbox_inches="tight",
+                metadata={"Date": None} if format == "svg" else None)
     return buffer.getvalue()
 
 
@@ -157,11 +159,16 @@ class MeshExplorer(widgets.VBox):
                       for n, v in zip(self.DIMS, (dp, pp, tp))}
         self.order = widgets.Dropdown(
             options=[(" × ".join(p), p) for p in itertools.permutations(self.DIMS)],
-            value=tuple(order), description="order (last = neighbouring ranks)", style=style)
+            value=tuple(order), description="order (last = neighbouring ranks)", style=style,
+            layout=widgets.Layout(width="420px"))  # the label and "dp × pp × tp" both fit
         self.color_by = widgets.ToggleButtons(options=self.DIMS, value=color_by,
                                               description="colour groups along", style=style)
-        self.highlight = widgets.Dropdown(description="outline rank", style=style)
-        self.image = widgets.Image(format="png")
+        self.highlight = widgets.Dropdown(description="outline rank", style=style,
+                                          layout=widgets.Layout(width="200px"))
+        # Drawn at twice the pixels it is shown with (sharp on any screen), at its natural size
+        # (never stretched to the output's width), at most about a screen high.
+        self.image = widgets.Image(format="png", layout=widgets.Layout(
+            align_self="flex-start", max_width="100%", max_height="70vh"))
         self.groups = widgets.HTML()
         super().__init__([widgets.HBox(list(self.sizes.values())),
                           widgets.HBox([self.order, self.highlight]),
@@ -195,9 +202,27 @@ class MeshExplorer(widgets.VBox):
             self._updating = False
         color_by = self.color_by.value
         keep = None if self.highlight.value == -1 else self.highlight.value
-        self.image.value = render_png(shape, names, color_by, keep)
+        png = render_png(shape, names, color_by, keep, dpi=2 * 96)
+        self.image.width = str(int.from_bytes(png[16:20], "big") // 2)  # IHDR: the width
+        self.image.value = png
         text = groups_text(shape, names, color_by, keep)
         self.groups.value = f"<pre style='line-height:1.3'>{text}</pre>"
+
+    def _repr_mimebundle_(self, **kwargs):
+        """The widget, plus a PNG of what it shows now for front ends that cannot run widgets
+        (a static page: the notebook as stored)."""
+        from matplotlib.figure import Figure
+
+        from ._fallback import figure_png
+        data = super()._repr_mimebundle_(**kwargs)
+        if data and "image/png" not in data:
+            import base64
+            shape, names = self.mesh
+            fig = Figure(figsize=_figsize(tuple(shape)))
+            keep = None if self.highlight.value == -1 else self.highlight.value
+            draw_mesh(shape, names, self.color_by.value, keep, ax=fig.add_subplot())
+            data["image/png"] = base64.b64encode(figure_png(fig)).decode("ascii")
+        return data
 
     def __repr__(self):
         shape, names = self.mesh

@@ -72,35 +72,51 @@ def explain(name, p, m, bubble, v=1):
             f"(1F1B: (p-1)/(m+p-1) = {base:.0%})")
 
 
+def _schedule_chart(name, p, m, ax=None):
+    """The Gantt chart of schedule `name` for p stages and m micro-batches, explained under it."""
+    schedule = make_schedule(name, p, m)
+    v = 1 + max(a.chunk for s in schedule for a in s)
+    timeline = simulate(schedule, m)
+    ax = gantt(timeline, title=name, ax=ax)
+    ax.figure.text(0.01, 0.005, explain(name, p, m, bubble_fraction(timeline), v),
+                   fontsize=8, ha="left", va="bottom")
+    ax.figure.subplots_adjust(bottom=min(0.6, 0.8 / ax.figure.get_figheight()))
+    return ax
+
+
 def schedule_widget(p=4, m=8):
     """Sliders for p and m, a menu of schedules: the Gantt chart and its bubble vs theory."""
     import ipywidgets as w
-    from IPython.display import display
+    from matplotlib.figure import Figure
+
+    from ._fallback import NOTE, display_widget, figure_png
 
     out = w.Output()
-    wide = dict(style={"description_width": "initial"}, layout=w.Layout(width="300px"))
-    ps = w.IntSlider(value=p, min=1, max=8, description="stages p", **wide)
-    ms = w.IntSlider(value=m, min=1, max=24, description="micro-batches m", **wide)
-    name = w.Dropdown(options=list(SCHEDULES), value="1F1B", description="schedule", **wide)
+    # Fixed widths that fit each label and value; the row wraps on a narrow screen.
+    style = {"description_width": "initial"}
+    ps = w.IntSlider(value=p, min=1, max=8, description="stages p", style=style,
+                     layout=w.Layout(width="260px", min_width="260px"))
+    ms = w.IntSlider(value=m, min=1, max=24, description="micro-batches m", style=style,
+                     layout=w.Layout(width="340px", min_width="340px"))
+    name = w.Dropdown(options=list(SCHEDULES), value="1F1B", description="schedule",
+                      style=style, layout=w.Layout(width="300px", min_width="300px"))
 
     def draw(*_):
         with out:
             out.clear_output(wait=True)
             try:
-                schedule = make_schedule(name.value, ps.value, ms.value)
+                _schedule_chart(name.value, ps.value, ms.value)
             except ValueError as e:
                 print(e)
                 return
-            v = 1 + max(a.chunk for s in schedule for a in s)
-            timeline = simulate(schedule, ms.value)
-            ax = gantt(timeline, title=name.value)
-            ax.figure.text(0.01, 0.005, explain(name.value, ps.value, ms.value,
-                                                bubble_fraction(timeline), v),
-                           fontsize=8, ha="left", va="bottom")
-            ax.figure.subplots_adjust(bottom=min(0.6, 0.8 / ax.figure.get_figheight()))
             plt.show()
 
     for control in (ps, ms, name):
         control.observe(draw, names="value")
     draw()
-    display(w.VBox([w.HBox([ps, ms, name]), out]))
+    widget = w.VBox([w.HBox([ps, ms, name], layout=w.Layout(flex_flow="row wrap")), out])
+    # Where no kernel runs (a static page), the default view as a picture instead.
+    fig = Figure(figsize=(10, 0.5 + 0.5 * (1 + p)))
+    _schedule_chart(name.value, p, m, ax=fig.add_subplot())
+    display_widget(widget, figure_png(fig, note=f"{NOTE} Shown: p = {p} stages, m = {m} "
+                                                 "micro-batches."))

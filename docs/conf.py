@@ -1,0 +1,82 @@
+"""Sphinx configuration of the course's site: `make book` (see docs/README.md).
+
+The source folder is the repository's root (so the README's links work unchanged); this file
+lives in docs/ and `sphinx-build -c docs` points at it. Nothing is executed: the chapters are
+shown with the outputs stored in them, as nbval checks them.
+"""
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+project = "distlab"
+author = "the distlab authors"
+copyright = "the distlab authors"
+
+extensions = ["myst_nb"]
+root_doc = "README"                       # the README's overview is the front page
+include_patterns = ["README.md", "CONTRIBUTING.md", "INSTRUCTORS.md",
+                    "notebooks/*.ipynb", "exercises/*.ipynb"]
+exclude_patterns = ["docs/_build", ".venv", "**/.ipynb_checkpoints"]
+
+# Notebooks: stored outputs only (never run here: the course's outputs come from real runs).
+nb_execution_mode = "off"
+# A widget's stored view has no state in a static page; every course widget also stores a PNG
+# of its default view (distlab/viz/_fallback.py): show that instead of an empty widget.
+nb_mime_priority_overrides = [
+    (builder, "application/vnd.jupyter.widget-view+json", None)
+    for builder in ("html", "dirhtml", "singlehtml", "readthedocs", "linkcheck")
+]
+myst_enable_extensions = ["dollarmath", "colon_fence"]
+myst_heading_anchors = 3
+
+html_theme = "sphinx_book_theme"
+html_title = "distlab: distributed training in PyTorch, run for real"
+html_theme_options = {
+    "show_navbar_depth": 1,
+    "show_toc_level": 2,
+    "use_download_button": True,      # each page's .ipynb: the exercises, downloadable
+    "use_fullscreen_button": False,
+}
+html_static_path = []
+html_show_sourcelink = False
+
+# Internal links are checked by the build (`make book` runs with -W --keep-going: a missing
+# document, anchor or image is an error).
+nitpicky = True
+
+
+def _chapters(folder):
+    return [f"{folder}/{p.stem}" for p in sorted((ROOT / folder).glob("*.ipynb"))]
+
+
+def _toctree(caption, entries):
+    return ("\n\n```{toctree}\n:hidden:\n:maxdepth: 1\n"
+            f":caption: {caption}\n\n" + "\n".join(entries) + "\n```\n")
+
+
+def _add_navigation(app, docname, source):
+    """The front page is the README as it stands; the site's navigation is appended here so
+    the README itself stays plain Markdown for GitHub."""
+    if docname != root_doc:
+        return
+    workbooks = "\n".join(
+        f"- [{Path(name).stem}]({name}.ipynb)" for name in _chapters("exercises"))
+    source[0] += ("\n\n## Workbooks\n\nOne per chapter, to fill in and check (download the "
+                  "notebook with the button at the top of its page):\n\n" + workbooks + "\n"
+                  + _toctree("Chapters", _chapters("notebooks"))
+                  + _toctree("Workbooks", _chapters("exercises"))
+                  + _toctree("Teaching the course", ["INSTRUCTORS", "CONTRIBUTING"]))
+
+
+def _index_page(app, exception):
+    """index.html for static hosts: the front page is README.html."""
+    if exception is None and app.builder.format == "html":
+        (Path(app.outdir) / "index.html").write_text(
+            '<!DOCTYPE html><meta charset="utf-8"><title>distlab</title>'
+            '<meta http-equiv="refresh" content="0; url=README.html">'
+            '<a href="README.html">distlab</a>\n')
+
+
+def setup(app):
+    app.connect("source-read", _add_navigation)
+    app.connect("build-finished", _index_page)

@@ -1,0 +1,215 @@
+"""Chapters 04, 06 and 08 in JupyterLab, in a real headless Chromium: run all cells, every widget
+renders (no "Error displaying widget", no plain-text widget repr), and moving one control of each
+course widget changes what it shows. On failure a screenshot of the page is saved under
+screenshots/ (and on success one of each widget, NN_name-widget.png, for a person to look at).
+
+    make test-browser        (DISTLAB_CHROMIUM=/path/to/chrome to choose the browser)
+
+The notebooks are copied to a temporary folder first: JupyterLab autosaves, and the stored
+outputs in notebooks/ must stay those of tools/regen.py.
+"""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+playwright = pytest.importorskip("playwright.sync_api", reason="pip install -e '.[browser]'")
+
+ROOT = Path(__file__).resolve().parents[2]
+SHOTS = Path(__file__).resolve().parent / "screenshots"
+TOKEN = "distlab-browser-test"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-extensions",
+                 "--disable-component-update", "--no-first-run"]
+WIDGET_REPRS = ("MeshExplorer(", "interactive(children=", "VBox(children=", "HBox(children=",
+                "IntSlider(", "Dropdown(")
+
+
+def chromium_path():
+    """Playwright's own Chromium where `playwright install chromium` worked, else Debian's."""
+    if os.environ.get("DISTLAB_CHROMIUM"):
+        return os.environ["DISTLAB_CHROMIUM"]
+    with playwright.sync_playwright() as p:
+        own = p.chromium.executable_path
+    if own and Path(own).exists():
+        return None  # playwright's default
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    pytest.skip("no Chromium: `playwright install chromium` or `apt-get install chromium`")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on loopback over a copy of the chapters; yields its base URL."""
+    work = tmp_path_factory.mktemp("lab")
+    (work / "notebooks").mkdir()
+    for name in ("04_device_meshes", "06_memory_and_zero", "08_pipeline_parallel"):
+        # Without their stored outputs: what the test sees is what this run drew, and a cell
+        # counts as run once its prompt has a number.
+        nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                cell.outputs, cell.execution_count = [], None
+        nbformat.write(nb, work / "notebooks" / f"{name}.ipynb")
+    # Every cell in the page (no windowing: the test reads all prompts), no news pop-up.
+    for plugin, settings in [("notebook-extension/tracker", '{"windowingMode": "none"}'),
+                             ("apputils-extension/notification", '{"fetchNews": "false"}')]:
+        path = work / "settings" / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(settings)
+    port = free_port()
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(work / "config"),
+               JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(work / "workspaces"),
+               PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}",
+           "--ip=127.0.0.1", f"--IdentityProvider.token={TOKEN}", f"--notebook-dir={work}",
+           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+           "--LabApp.news_url=", "--ServerApp.disable_check_xsrf=False"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-root")
+    log = open(work / "lab.log", "w")
+    server = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        until = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={TOKEN}", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > until:
+                    pytest.fail(f"JupyterLab did not start:\n{(work / 'lab.log').read_text()}")
+                time.sleep(0.5)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    path = chromium_path()
+    with playwright.sync_playwright() as p:
+        try:
+            b = p.chromium.launch(executable_path=path, args=CHROMIUM_ARGS, headless=True)
+        except playwright.Error as e:  # the machine's browser, not the course
+            pytest.skip(f"Chromium ({path or 'playwright'}) did not start: "
+                        f"{str(e).splitlines()[0]}")
+        yield b
+        b.close()
+
+
+PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook in front
+PROMPTS = ("[...document.querySelectorAll('" + PANEL + " .jp-CodeCell .jp-InputArea-prompt')]"
+           ".map(p => p.textContent.trim())")
+
+
+def wait_prompts(page, condition, timeout):
+    """Wait until `condition` (JS, over `prompts`: the code cells' prompts) holds."""
+    page.wait_for_function(f"() => {{ const prompts = {PROMPTS}; return {condition}; }}",
+                           timeout=timeout, polling=500)
+
+
+def open_and_run_all(page, url, name):
+    # ?reset: a fresh workspace (no tab of an earlier test restored beside this one)
+    page.goto(f"{url}/lab/tree/notebooks/{name}.ipynb?reset&token={TOKEN}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    # The kernel is up when the status bar says so ("Python 3 (ipykernel) | Idle").
+    page.wait_for_function(
+        "() => /\\|\\s*Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText)",
+        timeout=90_000)
+    page.wait_for_timeout(1000)
+    # The copy has no stored outputs: every prompt is empty before the run.
+    wait_prompts(page, "prompts.length > 0 && prompts.every(t => !/\\d/.test(t))", 30_000)
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+    wait_prompts(page, "prompts.some(t => /[*\\d]/.test(t))", 60_000)  # it started
+    # Done when every code cell has its number ("[*]" runs or waits, "[ ]" never ran).
+    wait_prompts(page, "prompts.every(t => /^\\[\\d+\\]:$/.test(t))", 420_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           timeout=60_000)
+    page.wait_for_timeout(1500)  # widget views render after their models arrive
+
+
+def check_widgets_rendered(page, name):
+    outputs = page.locator(f"{PANEL} .jp-OutputArea-output")
+    texts = outputs.all_inner_texts()
+    broken = [t for t in texts if "Error displaying widget" in t or "Loading widget" in t]
+    assert not broken, f"{name}: widgets that did not render: {broken[:3]}"
+    shown = outputs.evaluate_all("os => os.map(o => [o.dataset.mimeType, o.innerText])")
+    reprs = [(mime, t) for mime, t in shown if t.strip().startswith(WIDGET_REPRS)]
+    assert not reprs, f"{name}: widgets shown as plain text: {[(m, r[:80]) for m, r in reprs]}"
+    errors = page.locator(f"{PANEL} .jp-OutputArea-output"
+                          "[data-mime-type='application/vnd.jupyter.stderr']").all_inner_texts()
+    tracebacks = [t for t in errors if "Traceback" in t or "Error" in t.split("\n")[0]]
+    assert not tracebacks, f"{name}: a cell failed: {tracebacks[0][:500]}"
+    assert page.locator(f"{PANEL} .jupyter-widgets.widget-vbox, "
+                        f"{PANEL} .jupyter-widgets.widget-interact").count() >= 1, (
+        f"{name}: no widget rendered")
+
+
+def widget_picture(page, widget):
+    """What a widget shows now: its images' sources and its text (the groups, the chart)."""
+    return widget.evaluate(
+        "w => [...w.querySelectorAll('img')].map(i => i.src).join('|') + '#' + w.innerText")
+
+
+def change_dropdown(page, widget, label, value):
+    control = widget.locator(".widget-dropdown", has_text=label).first
+    before = widget_picture(page, widget)
+    control.locator("select").select_option(label=value)
+    page.wait_for_function(
+        "([w, b]) => ([...w.querySelectorAll('img')].map(i => i.src).join('|') + '#' "
+        "+ w.innerText) !== b", arg=[widget.element_handle(), before], timeout=60_000)
+    return before, widget_picture(page, widget)
+
+
+CASES = [
+    # chapter, the widget (a CSS selector inside the output), the dropdown to move, its new value
+    ("04_device_meshes", ".widget-vbox:has(.widget-image)", "order", "tp × pp × dp"),
+    ("06_memory_and_zero", ".widget-interact", "model", "GPT-2 XL 1.5B"),
+    ("08_pipeline_parallel", ".widget-vbox:has(.widget-dropdown)", "schedule", "GPipe"),
+]
+
+
+@pytest.mark.parametrize("name, selector, label, value", CASES, ids=[c[0][:2] for c in CASES])
+def test_chapter_widgets_render_and_respond(lab, browser, name, selector, label, value):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        open_and_run_all(page, lab, name)
+        check_widgets_rendered(page, name)
+        widget = page.locator(f"{PANEL} .jp-OutputArea-output {selector}").first
+        widget.scroll_into_view_if_needed()
+        before, after = change_dropdown(page, widget, label, value)
+        assert before != after
+        check_widgets_rendered(page, name)
+        SHOTS.mkdir(exist_ok=True)  # what the widget looks like, for a person to check
+        widget.screenshot(path=str(SHOTS / f"{name}-widget.png"))
+    except Exception:
+        SHOTS.mkdir(exist_ok=True)
+        shot = SHOTS / f"{name}.png"
+        page.screenshot(path=str(shot), full_page=False)
+        print(f"screenshot of the failure: {shot}")
+        raise
+    finally:
+        page.close()
