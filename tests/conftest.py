@@ -3,6 +3,10 @@ import time
 
 import pytest
 
+# tests/browser needs Chromium, playwright and minutes of JupyterLab: `make test-browser` runs it.
+# Not even its conftest is imported otherwise (it would shadow this one for `from conftest import`).
+collect_ignore = [] if os.environ.get("DISTLAB_BROWSER_TEST") else ["browser"]
+
 
 def pid_alive(pid):
     try:

@@ -145,7 +145,7 @@ def load(args, model, stage, mesh, optimizer):
 def pick_backend():
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if torch.cuda.is_available() and torch.cuda.device_count() >= local and dist.is_nccl_available():
-        return "nccl"
+        return "cpu:gloo,cuda:nccl"     # CUDA tensors over NCCL, CPU tensors (objects) over gloo
     return "gloo"
 
 
@@ -171,7 +171,7 @@ def main(args):
     """Runs on every rank, under torchrun (or distlab.run with init=False)."""
     backend = pick_backend()
     on = torch.device("cpu")
-    if backend == "nccl":
+    if "nccl" in backend:
         on = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(on)
     init_process_group(backend)

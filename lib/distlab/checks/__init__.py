@@ -18,8 +18,9 @@ from ..launch import run as _launch_run
 
 
 def run(fn, world_size, *args, **kwargs):
-    """distlab.run on gloo: checkers build their data on the CPU, whatever GPUs the machine has."""
-    kwargs.setdefault("backend", "gloo")
+    """distlab.run as the learner's own cells run it: with one GPU per rank that is
+    "cpu:gloo,cuda:nccl", so the checkers' CPU tensors go over gloo and the learner's CUDA tensors
+    over NCCL, on the backend the learner's code will meet."""
     return _launch_run(fn, world_size, *args, **kwargs)
 
 
