@@ -31,6 +31,10 @@ def main(spec, payload, conn, out_w, err_w, cmd_conn):
     global _cmd_conn
     _cmd_conn = cmd_conn
     _die_with_parent()
+    # Own process group BEFORE the watchdog can fire: its killpg must never reach the notebook's
+    # group (_worker.main calls setpgrp again, harmlessly).
+    if hasattr(os, "setpgrp"):
+        os.setpgrp()
     threading.Thread(target=_read_commands, name="distlab-commands", daemon=True).start()
     _worker.main(spec, dumps((serve, (spec,), {})), conn, out_w, err_w)
 
@@ -53,7 +57,9 @@ def _read_commands():
             command = _cmd_conn.recv()
         except (EOFError, OSError):
             # The notebook's end of the pipe is closed: nobody will ever read this rank's output.
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+            # Take down what this rank started too, but only a group this rank leads.
+            if os.getpgid(0) == os.getpid():
+                os.killpg(os.getpid(), signal.SIGKILL)
             os._exit(1)
         _commands.put(command)
 
