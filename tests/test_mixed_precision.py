@@ -2,7 +2,6 @@
 single-process reference doing the same casts; fp16 loss scaling skips an overflowing step."""
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import distlab

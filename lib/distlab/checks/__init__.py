@@ -135,7 +135,9 @@ def run_learner(fn, world_size, *args, name=None, timeout=30, deadlock_rule=None
         if e.exc_type == "NotImplementedError":
             raise _not_written(name) from None
         if e.exc_type == UsedCourseCode.__name__:
-            raise CheckFailed(str(e.exception or e).splitlines()[-1]) from None
+            said = (str(e.exception) if e.exception is not None
+                    else str(e).splitlines()[0].split(": ", 1)[1])
+            raise CheckFailed(said) from None
         raise
     except RunTimeout as e:
         where = where_ranks_wait(e, world_size) if deadlock_rule else None

@@ -21,9 +21,6 @@ def learner_run(fn, world_size, *args, name, hang_rule, timeout=20, **kwargs):
         return run_learner(fn, world_size, *args, name=name, timeout=timeout, trace=True,
                            **kwargs)
     except RankFailed as e:
-        if e.exc_type == "UsedCourseCode":
-            raise CheckFailed(str(e.exception) if e.exception is not None else
-                              str(e).splitlines()[0].split(": ", 1)[1]) from None
         if e.peer_lost:
             raise CheckFailed(f"{name} with world_size={world_size}: rank {e.rank} was still "
                               f"waiting when the rank it talks to finished without making the "

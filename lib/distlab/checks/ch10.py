@@ -1,13 +1,12 @@
 """Checkers for workbook 10: putting tp shards back together, the loss every rank reports, and
 one training step on a dp x pp x tp mesh built by hand."""
 import torch
-import torch.distributed as dist
 
 from .. import data_parallel as _dp
 from .. import mesh as _mesh
 from .. import parallel3d as p3
 from ..models import lm_loss, make_gpt, token_data
-from . import CheckFailed, call_learner, compare, forbid, passed, run_learner, sizes_phrase
+from . import CheckFailed, call_learner, compare, forbid, passed, sizes_phrase
 from .ch01 import collectives, learner_run, refusing
 
 
