@@ -20,12 +20,17 @@ exclude_patterns = ["docs/_build", ".venv", "**/.ipynb_checkpoints"]
 
 # Notebooks: stored outputs only (never run here: the course's outputs come from real runs).
 nb_execution_mode = "off"
-# A widget's stored view has no state in a static page; every course widget also stores a PNG
-# of its default view (distlab/viz/_fallback.py): show that instead of an empty widget.
+# Widgets: every course widget also stores a PNG of its default view with a "run this cell to
+# interact" line (distlab/viz/_fallback.py); the site shows that picture. The notebooks do save
+# their widget state (tools/regen.py, for JupyterLab and nbviewer), but drawing it here would
+# load @jupyter-widgets/html-manager and RequireJS from a CDN on every chapter page (a site
+# that needs the network to show a picture it already has), and the controls it drew would do
+# nothing without a kernel. So no widget view, no CDN scripts, and no state blob in the pages.
 nb_mime_priority_overrides = [
     (builder, "application/vnd.jupyter.widget-view+json", None)
     for builder in ("html", "dirhtml", "singlehtml", "readthedocs", "linkcheck")
 ]
+nb_ipywidgets_js = {}
 myst_enable_extensions = ["dollarmath", "colon_fence"]
 myst_heading_anchors = 3
 
@@ -77,6 +82,15 @@ def _index_page(app, exception):
             '<a href="README.html">distlab</a>\n')
 
 
+def _drop_widget_state(app, doctree):
+    """myst-nb embeds a notebook's saved widget state in its page (for the CDN scripts turned
+    off above); without a widget view to draw it is dead weight: leave it out."""
+    pages = getattr(app.env, "nb_metadata", {})
+    if app.env.docname in pages:
+        pages[app.env.docname].get("js_files", {}).pop("ipywidgets_state", None)
+
+
 def setup(app):
     app.connect("source-read", _add_navigation)
+    app.connect("doctree-read", _drop_widget_state)
     app.connect("build-finished", _index_page)

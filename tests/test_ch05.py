@@ -489,3 +489,135 @@ def test_my_ddp_accepts(cls, capsys):
 ])
 def test_my_ddp_rejects(cls, words):
     _rejected(ch05.check_my_ddp, cls, *words, world_sizes=(3,))
+
+
+# ---- exercise 6: find and fix the bugs of a DDP script -------------------------------------------
+
+import os  # noqa: E402
+
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+
+
+def _script(model, dataset, epochs, path, sampler_rank="RANK", set_epoch=True, loss="global",
+            prints_on="RANK", saves_on="RANK"):
+    """The DDP script of workbook 05's last exercise, each bug switchable on its own."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    ddp = DistributedDataParallel(model)
+    sampler = DistributedSampler(dataset, num_replicas=world_size,
+                                 rank=int(os.environ[sampler_rank]), seed=0)
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for epoch in range(epochs):
+        if set_epoch:
+            sampler.set_epoch(epoch)
+        for x, y, mask in loader:
+            opt.zero_grad()
+            per_token = (ddp(x) - y).pow(2).sum(-1)[mask]
+            if loss == "local mean":
+                loss_value = per_token.mean()
+            else:
+                tokens = torch.tensor(float(len(per_token)), dtype=per_token.dtype)
+                dist.all_reduce(tokens)
+                loss_value = per_token.sum() / tokens * (world_size if loss == "global" else 1)
+            loss_value.backward()
+            opt.step()
+        if int(os.environ[prints_on]) == 0:
+            print(f"epoch {epoch} finished")
+    if int(os.environ[saves_on]) == 0:
+        torch.save(ddp.module.state_dict(), path)
+
+
+def script_fixed(model, dataset, epochs, path):
+    _script(model, dataset, epochs, path)
+
+
+def script_by_hand(model, dataset, epochs, path):
+    """Correct, written differently: no DDP (broadcast, then an all_reduce SUM of one flat
+    gradient), the sampler takes rank and size from the group, batches of 4, tokens counted by
+    an imported all_reduce, the rank asked of the group."""
+    from torch.distributed import ReduceOp, all_reduce, broadcast
+    for p in model.parameters():
+        broadcast(p.detach(), 0)
+    sampler = DistributedSampler(dataset, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y, mask in DataLoader(dataset, batch_size=4, sampler=sampler):
+            opt.zero_grad()
+            count = mask.sum().double()
+            all_reduce(count, op=ReduceOp.SUM)
+            ((model(x) - y).pow(2).sum(-1) * mask).sum().div(count).backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            all_reduce(flat)
+            params = list(model.parameters())
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
+            opt.step()
+    if dist.get_rank() == 0:
+        print("done")
+        torch.save(model.state_dict(), path)
+
+
+def script_local_rank_sampler(model, dataset, epochs, path):
+    _script(model, dataset, epochs, path, sampler_rank="LOCAL_RANK")
+
+
+def script_no_set_epoch(model, dataset, epochs, path):
+    _script(model, dataset, epochs, path, set_epoch=False)
+
+
+def script_local_mean(model, dataset, epochs, path):
+    _script(model, dataset, epochs, path, loss="local mean")
+
+
+def script_global_count_without_world_size(model, dataset, epochs, path):
+    _script(model, dataset, epochs, path, loss="global count, DDP's division kept")
+
+
+def script_prints_on_local_rank_0(model, dataset, epochs, path):
+    _script(model, dataset, epochs, path, prints_on="LOCAL_RANK")
+
+
+def script_saves_on_local_rank_0(model, dataset, epochs, path):
+    _script(model, dataset, epochs, path, saves_on="LOCAL_RANK")
+
+
+def script_without_ddp(model, dataset, epochs, path):
+    """Wrong structure: the sampler and the loss are right, but no gradient is ever reduced."""
+    sampler = DistributedSampler(dataset, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y, mask in DataLoader(dataset, batch_size=2, sampler=sampler):
+            opt.zero_grad()
+            (model(x) - y).pow(2).sum(-1)[mask].mean().backward()
+            opt.step()
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path)
+
+
+def script_by_the_checker(model, dataset, epochs, path):
+    """A cheat: the checker's single-process reference, copied into the weights."""
+    ch05._token_reference([[list(range(16))]])
+
+
+@pytest.mark.parametrize("fn", [script_fixed, script_by_hand])
+def test_ddp_script_accepts(fn, capsys):
+    ch05.check_ddp_script(fn)
+    assert "✅" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn, words", [
+    (script_local_rank_sampler, ("ranks 0 and 2", "same sequences", "global rank (RANK)")),
+    (script_no_set_epoch, ("epoch 1 repeats epoch 0", "set_epoch")),
+    (script_local_mean, ("mean over its own tokens", "global token count")),
+    (script_global_count_without_world_size, ("divided by 4", "multiply the loss")),
+    (script_prints_on_local_rank_0, ("ranks 0 and 2 printed", "once per node")),
+    (script_saves_on_local_rank_0, ("ranks 0 and 2 wrote the checkpoint", "once per node")),
+    (script_without_ddp, ("all-reducing 0 bytes", "hold 464 bytes", "DistributedDataParallel")),
+    (script_by_the_checker, ("_token_reference", "the exercise is to")),
+])
+def test_ddp_script_rejects(fn, words):
+    _rejected(ch05.check_ddp_script, fn, *words)

@@ -1,13 +1,25 @@
-"""Chapters 04, 06 and 08 in JupyterLab, in a real headless Chromium: run all cells, every widget
-renders (no "Error displaying widget", no plain-text widget repr), and moving one control of each
-course widget changes what it shows. On failure a screenshot of the page is saved under
-screenshots/ (and on success one of each widget, NN_name-widget.png, for a person to look at).
+"""Chapters 04, 06 and 08 in JupyterLab, in a real headless Chromium.
+
+Opened as stored, without running a cell: the widget views are drawn from the widget state saved
+in the notebook (tools/regen.py keeps it) where the notebook is trusted, and the stored picture
+of the default view where it is not (a fresh clone) -- never "Error displaying widget".
+Then run all cells: every widget renders (no "Error displaying widget", no plain-text widget
+repr), and moving one control of each course widget changes what it shows. On failure a
+screenshot of the page is saved under screenshots/ (and on success one of each widget,
+NN_name-widget.png and NN_name-stored.png, for a person to look at).
 
     make test-browser        (DISTLAB_CHROMIUM=/path/to/chrome to choose the browser)
 
 The notebooks are copied to a temporary folder first: JupyterLab autosaves, and the stored
-outputs in notebooks/ must stay those of tools/regen.py.
+outputs in notebooks/ must stay those of tools/regen.py. The server gets its own Jupyter data
+folder there too (the notebook-trust database and its key), so signing the copies as trusted
+touches nothing of the user's.
+
+Waits are generous (a slow 2-core machine starts a kernel in tens of seconds) and explicit: each
+step waits for what it needs to see (a kernel's idle status, every prompt numbered, every widget
+drawn with its pictures loaded), never for a fixed time.
 """
+import json
 import os
 import shutil
 import socket
@@ -19,6 +31,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from nbformat.sign import NotebookNotary
 
 playwright = pytest.importorskip("playwright.sync_api", reason="pip install -e '.[browser]'")
 
@@ -28,6 +41,9 @@ TOKEN = "distlab-browser-test"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--disable-background-networking", "--disable-extensions",
                  "--disable-component-update", "--no-first-run"]
+CHAPTERS = ("04_device_meshes", "06_memory_and_zero", "08_pipeline_parallel")
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+KERNEL_START_MS = 180_000  # a cold kernel on a busy 2-core machine
 WIDGET_REPRS = ("MeshExplorer(", "interactive(children=", "VBox(children=", "HBox(children=",
                 "IntSlider(", "Dropdown(")
 
@@ -53,12 +69,27 @@ def free_port():
         return s.getsockname()[1]
 
 
+def widget_cells(name):
+    """The indices of the cells whose stored outputs show a widget view."""
+    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    return [i for i, cell in enumerate(nb.cells)
+            if any(WIDGET_VIEW in out.get("data", {}) for out in cell.get("outputs", []))]
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab server on loopback over a copy of the chapters; yields its base URL."""
+    """A JupyterLab server on loopback over copies of the chapters; yields its base URL.
+
+    notebooks/: without outputs, to run. trusted/ and untrusted/: as stored, signed as trusted
+    (JupyterLab then draws widget views) or not (it shows their stored picture instead)."""
     work = tmp_path_factory.mktemp("lab")
-    (work / "notebooks").mkdir()
-    for name in ("04_device_meshes", "06_memory_and_zero", "08_pipeline_parallel"):
+    for folder in ("notebooks", "trusted", "untrusted", "data"):
+        (work / folder).mkdir()
+    notary = NotebookNotary(data_dir=str(work / "data"))
+    for name in CHAPTERS:
+        for folder in ("trusted", "untrusted"):
+            shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", work / folder)
+        notary.sign(nbformat.read(work / "trusted" / f"{name}.ipynb", as_version=4))
         # Without their stored outputs: what the test sees is what this run drew, and a cell
         # counts as run once its prompt has a number.
         nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
@@ -74,6 +105,7 @@ def lab(tmp_path_factory):
         path.write_text(settings)
     port = free_port()
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(work / "config"),
+               JUPYTER_DATA_DIR=str(work / "data"),
                JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(work / "workspaces"),
                PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
@@ -130,15 +162,59 @@ def wait_prompts(page, condition, timeout):
                            timeout=timeout, polling=500)
 
 
-def open_and_run_all(page, url, name):
+def api(url, path, method="GET"):
+    request = urllib.request.Request(f"{url}{path}", method=method,
+                                     headers={"Authorization": f"token {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        body = response.read()
+    return json.loads(body) if body else None
+
+
+def shut_down_kernels(url):
+    """End every session (and its kernel): the next chapter gets the machine's cores."""
+    try:
+        for session in api(url, "/api/sessions"):
+            api(url, f"/api/sessions/{session['id']}", method="DELETE")
+    except OSError as e:  # clean-up only: never hide the test's own failure
+        print(f"could not shut the kernels down: {e}")
+
+
+def open_notebook(page, url, path):
     # ?reset: a fresh workspace (no tab of an earlier test restored beside this one)
-    page.goto(f"{url}/lab/tree/notebooks/{name}.ipynb?reset&token={TOKEN}")
+    page.goto(f"{url}/lab/tree/{path}?reset&token={TOKEN}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
     # The kernel is up when the status bar says so ("Python 3 (ipykernel) | Idle").
     page.wait_for_function(
         "() => /\\|\\s*Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText)",
-        timeout=90_000)
-    page.wait_for_timeout(1000)
+        timeout=KERNEL_START_MS, polling=500)
+
+
+# An output holding a drawn widget view (a failed one says "Error displaying widget" in the
+# output node itself, which then carries the class: `> ` tells them apart).
+DRAWN = f"{PANEL} .jp-OutputArea-output:has(> .jupyter-widgets)"
+LOADED = "[...o.querySelectorAll('img')].every(i => i.complete && i.naturalWidth > 0)"
+
+
+def wait_widgets_drawn(page, count, timeout=120_000):
+    """Wait until `count` widget views are drawn, none still "Loading widget...", with every
+    picture inside loaded, or until one says "Error displaying widget" (JupyterLab's last word
+    on it); on a timeout return quietly: the checks that follow say what is missing, and a
+    screenshot shows it."""
+    try:
+        page.wait_for_function(
+            f"""() => {{
+                const outputs = [...document.querySelectorAll('{PANEL} .jp-OutputArea-output')];
+                if (outputs.some(o => /Error displaying widget/.test(o.innerText))) return true;
+                const drawn = [...document.querySelectorAll('{DRAWN}')];
+                return !outputs.some(o => /Loading widget/.test(o.innerText))
+                    && drawn.length >= {count} && drawn.every(o => {LOADED});
+            }}""", timeout=timeout, polling=500)
+    except playwright.TimeoutError:
+        pass
+
+
+def open_and_run_all(page, url, name):
+    open_notebook(page, url, f"notebooks/{name}.ipynb")
     # The copy has no stored outputs: every prompt is empty before the run.
     wait_prompts(page, "prompts.length > 0 && prompts.every(t => !/\\d/.test(t))", 30_000)
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
@@ -148,7 +224,7 @@ def open_and_run_all(page, url, name):
     wait_prompts(page, "prompts.every(t => /^\\[\\d+\\]:$/.test(t))", 420_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
                            timeout=60_000)
-    page.wait_for_timeout(1500)  # widget views render after their models arrive
+    wait_widgets_drawn(page, len(widget_cells(name)))  # views render after their models
 
 
 def check_widgets_rendered(page, name):
@@ -192,6 +268,96 @@ CASES = [
 ]
 
 
+def fail_with_screenshot(page, shot):
+    SHOTS.mkdir(exist_ok=True)
+    try:
+        page.screenshot(path=str(SHOTS / shot), full_page=False)
+        print(f"screenshot of the failure: {SHOTS / shot}")
+    except playwright.Error as e:  # a closed page: the failure itself is what matters
+        print(f"no screenshot of the failure: {e}")
+
+
+def cell_output_state(page, index):
+    """What cell `index` of the notebook in front shows: its outputs' texts, how many widget
+    views are drawn in it, how many pictures it has and how many of them are loaded."""
+    return page.evaluate(
+        f"""i => {{
+            const cell = document.querySelectorAll('{PANEL} .jp-Cell')[i];
+            const outputs = cell ? [...cell.querySelectorAll('.jp-OutputArea-output')] : [];
+            const images = outputs.flatMap(o => [...o.querySelectorAll('img')]);
+            return {{texts: outputs.map(o => o.innerText),
+                     drawn: outputs.filter(o => o.querySelector(':scope > .jupyter-widgets'))
+                                   .length,
+                     images: images.length,
+                     loaded: images.filter(i => i.complete && i.naturalWidth > 0).length}};
+        }}""", index)
+
+
+def wait_cell_pictures(page, index, timeout=120_000):
+    """Wait until cell `index` shows a picture, every one loaded, nothing "Loading widget"."""
+    try:
+        page.wait_for_function(
+            f"""i => {{
+                const cell = document.querySelectorAll('{PANEL} .jp-Cell')[i];
+                if (!cell) return false;
+                const outputs = [...cell.querySelectorAll('.jp-OutputArea-output')];
+                const images = outputs.flatMap(o => [...o.querySelectorAll('img')]);
+                return images.length > 0 && !outputs.some(o => /Loading widget/.test(o.innerText))
+                    && images.every(i => i.complete && i.naturalWidth > 0);
+            }}""", arg=index, timeout=timeout, polling=500)
+    except playwright.TimeoutError:
+        pass  # the assertions below say what is missing
+
+
+@pytest.mark.parametrize("name, selector, label, value", CASES, ids=[c[0][:2] for c in CASES])
+def test_stored_chapter_draws_widgets_without_running(lab, browser, name, selector, label, value):
+    """As stored, no cell run: a trusted copy draws every widget view from the notebook's saved
+    widget state (its controls, and the picture it showed when regen ran it); an
+    untrusted copy (a fresh clone) shows the stored picture in the same cells. Never "Error
+    displaying widget" (a view without its state) nor a widget's plain-text repr."""
+    cells = widget_cells(name)
+    assert cells, f"notebooks/{name}.ipynb stores no widget view: run tools/regen.py on it"
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        open_notebook(page, lab, f"trusted/{name}.ipynb")
+        wait_widgets_drawn(page, len(cells))
+        check_widgets_rendered(page, name)
+        for index in cells:
+            shown = cell_output_state(page, index)
+            assert shown["drawn"] == 1 and shown["images"] >= 1, (
+                f"{name}, cell {index} (trusted, not run): no widget drawn from the saved "
+                f"state; it shows {[t[:120] for t in shown['texts']]}")
+            assert shown["loaded"] == shown["images"], (
+                f"{name}, cell {index}: {shown['images'] - shown['loaded']} of the widget's "
+                "pictures did not load from the saved state")
+        widget = page.locator(f"{DRAWN} {selector}").first
+        assert widget.locator(".widget-dropdown", has_text=label).count() == 1, (
+            f"{name}: the stored widget has no '{label}' control")
+        widget.scroll_into_view_if_needed()
+        SHOTS.mkdir(exist_ok=True)  # what a reader sees before running anything
+        widget.screenshot(path=str(SHOTS / f"{name}-stored.png"))
+        page.close()
+
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        open_notebook(page, lab, f"untrusted/{name}.ipynb")
+        for index in cells:
+            wait_cell_pictures(page, index)
+            shown = cell_output_state(page, index)
+            texts = " | ".join(t[:120] for t in shown["texts"])
+            assert "Error displaying widget" not in texts and not any(
+                t.strip().startswith(WIDGET_REPRS) for t in shown["texts"]), (
+                f"{name}, cell {index} (untrusted, not run) shows: {texts}")
+            assert shown["images"] >= 1 and shown["loaded"] == shown["images"], (
+                f"{name}, cell {index} (untrusted, not run): neither the widget nor its "
+                f"stored picture is shown; it shows: {texts}")
+    except Exception:
+        fail_with_screenshot(page, f"{name}-stored-failure.png")
+        raise
+    finally:
+        page.close()
+        shut_down_kernels(lab)
+
+
 @pytest.mark.parametrize("name, selector, label, value", CASES, ids=[c[0][:2] for c in CASES])
 def test_chapter_widgets_render_and_respond(lab, browser, name, selector, label, value):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -206,10 +372,8 @@ def test_chapter_widgets_render_and_respond(lab, browser, name, selector, label,
         SHOTS.mkdir(exist_ok=True)  # what the widget looks like, for a person to check
         widget.screenshot(path=str(SHOTS / f"{name}-widget.png"))
     except Exception:
-        SHOTS.mkdir(exist_ok=True)
-        shot = SHOTS / f"{name}.png"
-        page.screenshot(path=str(shot), full_page=False)
-        print(f"screenshot of the failure: {shot}")
+        fail_with_screenshot(page, f"{name}.png")
         raise
     finally:
         page.close()
+        shut_down_kernels(lab)
