@@ -186,13 +186,15 @@ def test_all_gather_uneven_without_trimming_is_caught():
         ch02.check_all_gather_uneven(untrimmed)
 
 
-def test_a_crashing_all_gather_is_reported_in_one_sentence():
+def test_a_crashing_all_gather_is_reported_in_one_sentence(monkeypatch):
     def plain_all_gather(tensor):  # gloo refuses pieces of different lengths
         pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
         dist.all_gather(pieces, tensor)
         return pieces
 
     # gloo either crashes or hangs on uneven pieces; either way one sentence comes back.
+    distlab.run(lambda rank, world_size: None, 2)  # the forkserver is up: the limit is all hang
+    monkeypatch.setattr(ch02, "TIMEOUT", 4)
     with pytest.raises(CheckFailed, match=r"world_size=2 \(lengths 2, 0\) (failed|hung): "
                                           r".*same shapes on every rank"):
         ch02.check_all_gather_uneven(plain_all_gather)

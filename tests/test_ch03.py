@@ -219,7 +219,7 @@ def receive_first(tensor):
 
 
 def test_a_deadlocked_ring_says_where_each_rank_waits(monkeypatch):
-    monkeypatch.setattr(ch03, "TIMEOUT", 8)
+    monkeypatch.setattr(ch03, "TIMEOUT", 4)
     with pytest.raises(CheckFailed) as caught:
         ch03.check_ring_all_reduce(receive_first)
     message = str(caught.value)

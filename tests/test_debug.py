@@ -212,7 +212,7 @@ def test_checkers_pass_the_fixes(capsys):
 
 def test_checkers_reject_the_bugs(monkeypatch):
     distlab.run(lambda rank, world_size: None, 2)  # the forkserver is up: the limit is all hang
-    monkeypatch.setattr(ch11, "TIMEOUT", 15)
+    monkeypatch.setattr(ch11, "TIMEOUT", 4)
     with pytest.raises(CheckFailed, match="mean_loss (hung with|with) world_size=2.*every rank must "
                                           "call the same collectives"):
         ch11.check_mean_loss(mean_loss_hangs)

@@ -51,18 +51,32 @@ def test_exercises_are_up_to_date():
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 
 
-@pytest.mark.parametrize("path", EXERCISES, ids=[p.name for p in EXERCISES])
-def test_unsolved_exercises_fail_cleanly(path):
-    """Every check cell of an unsolved workbook raises a clear NotImplementedError, never hangs."""
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(path.parent)}})
+@pytest.fixture(scope="module")
+def executed_workbooks():
+    """Every unsolved workbook run once, one after another in ONE kernel, its namespace reset
+    between workbooks (`%reset -f`): a kernel and a launcher start per workbook would cost more
+    than all the cells. Returns {name: its executed cells}."""
+    books = {p.name: nbformat.read(p, as_version=4) for p in EXERCISES}
+    merged = nbformat.v4.new_notebook()
+    spans = {}
+    for name, nb in books.items():
+        merged.cells.append(nbformat.v4.new_code_cell("%reset -f"))
+        spans[name] = (len(merged.cells), len(merged.cells) + len(nb.cells))
+        merged.cells.extend(nb.cells)
+    client = NotebookClient(merged, timeout=120, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(ROOT / "exercises")}})
     try:
         client.execute()
     except CellTimeoutError as e:  # pragma: no cover - the failure we guard against
-        pytest.fail(f"{path.name}: a cell hung instead of failing cleanly: {e}")
+        pytest.fail(f"a cell hung instead of failing cleanly: {e}")
+    return {name: merged.cells[a:b] for name, (a, b) in spans.items()}
+
+
+@pytest.mark.parametrize("path", EXERCISES, ids=[p.name for p in EXERCISES])
+def test_unsolved_exercises_fail_cleanly(path, executed_workbooks):
+    """Every check cell of an unsolved workbook raises a clear NotImplementedError, never hangs."""
     checks = 0
-    for i, cell in enumerate(nb.cells):
+    for i, cell in enumerate(executed_workbooks[path.name]):
         if cell.cell_type != "code":
             continue
         errors = [o for o in cell.outputs if o.output_type == "error"]

@@ -261,11 +261,11 @@ def hang_in_collective(rank, world_size, folder):
 def test_timeout_names_running_ranks_and_where_they_are(pid_dir, capsys):
     folder, pids = pid_dir
     with pytest.raises(RunTimeout) as info:
-        distlab.run(hang_in_collective, 3, folder, timeout=20)
+        distlab.run(hang_in_collective, 3, folder, timeout=5)
     e = info.value
     assert e.running == [0, 1, 2]
     lines = str(e).splitlines()
-    assert lines[0] == "distlab.run timed out after 20 s: ranks 0, 1 and 2 still running."
+    assert lines[0] == "distlab.run timed out after 5 s: ranks 0, 1 and 2 still running."
     assert lines[1].startswith("  rank 0: waits in all_reduce, called from hang_in_collective")
     assert lines[2].startswith("  rank 1: is at hang_in_collective") and "time.sleep(60)" in lines[2]
     assert lines[3].startswith("  rank 2: waits in all_reduce")
@@ -279,7 +279,7 @@ def test_finished_ranks_are_reported_as_finished():
         if rank == 0:
             time.sleep(60)
     with pytest.raises(RunTimeout) as info:
-        distlab.run(only_rank_0_hangs, 2, timeout=15)
+        distlab.run(only_rank_0_hangs, 2, timeout=4)
     assert info.value.running == [0]
     assert "rank 1: finished" in str(info.value)
 
@@ -453,6 +453,13 @@ def run_script(tmp_path, body, timeout=120):
     script.write_text(textwrap.dedent(body))
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=timeout, cwd=tmp_path)
+
+
+def test_a_main_module_without_spec_still_launches(monkeypatch):
+    """IPython's `%reset -f` deletes __main__.__spec__; multiprocessing reads it at every start."""
+    monkeypatch.delattr(sys.modules["__main__"], "__spec__")
+    assert distlab.run(all_reduce_rank, 2) == [1.0, 1.0]
+    assert not hasattr(sys.modules["__main__"], "__spec__")   # left as the learner had it
 
 
 def test_a_script_without_a_main_guard_runs_once(tmp_path):

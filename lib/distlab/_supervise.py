@@ -74,7 +74,16 @@ def _start_without_main(process):
         original = spawn.get_preparation_data
 
         def without_main(name):
-            data = original(name)
+            # IPython's `%reset -f` deletes __main__.__spec__, which multiprocessing reads here.
+            main = sys.modules.get("__main__")
+            lost_spec = main is not None and not hasattr(main, "__spec__")
+            if lost_spec:
+                main.__spec__ = None
+            try:
+                data = original(name)
+            finally:
+                if lost_spec:
+                    del main.__spec__
             data.pop("init_main_from_path", None)
             data.pop("init_main_from_name", None)
             return data

@@ -231,7 +231,9 @@ def _launch_here(args):
     """Start the ranks of a run on this machine (no torchrun); a refusal stays one sentence."""
     import distlab
     try:
-        distlab.run(_on_rank, args.dp * args.pp * args.tp, args, init=False, timeout=None)
+        # One thread per rank, as torchrun sets: the same run gives the same bits either way.
+        distlab.run(_on_rank, args.dp * args.pp * args.tp, args, init=False, timeout=None,
+                    threads=1)
     except distlab.RankFailed as e:
         if isinstance(e.exception, SystemExit):
             raise SystemExit(e.exception.code) from None

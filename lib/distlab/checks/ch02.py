@@ -14,6 +14,7 @@ from . import (CheckFailed, RankFailed, UsedCourseCode, call_learner, compare, f
                run, run_learner, sizes_phrase)
 
 WORLD_SIZES = (2, 3, 4)
+TIMEOUT = 20  # a learner's hang is reported, with where each rank waits, within this
 
 
 def _inputs(world_size, per_rank, seed):
@@ -108,7 +109,7 @@ def check_all_gather_uneven(fn):
         inputs = _uneven_inputs(ws)
         lengths = ", ".join(str(t.numel()) for t in inputs)
         try:
-            got = run_learner(_run_uneven, ws, fn, inputs, name=name, timeout=20)
+            got = run_learner(_run_uneven, ws, fn, inputs, name=name, timeout=TIMEOUT)
         except RunTimeout as e:
             # A rank with nothing to send can finish while its peers wait for its data.
             stuck = "; ".join(line.strip() for line in str(e).splitlines()[1:1 + ws])
