@@ -319,16 +319,8 @@ def _judge_epochs(per_rank, again, ws):
         if outside:
             raise CheckFailed(f"{where}, epoch {e} holds index {outside[0]}, which is not a "
                               f"sample of the 12 (0..11): return the values read from the loader.")
-    unshuffled = [list(range(rank, SAMPLES, ws)) for rank in range(ws)]
-    if all(per_rank[r][0] == unshuffled[r] for r in range(ws)):
-        raise CheckFailed(f"{where}, epoch 0 reads the samples in order ({unshuffled[0]} on rank 0):"
-                          f" nothing was shuffled; pass shuffle=True to the sampler.")
-    for e in range(1, EPOCHS):
-        if all(per_rank[r][e] == per_rank[r][e - 1] for r in range(ws)):
-            raise CheckFailed(
-                f"{where}, epoch {e} repeats epoch {e - 1}'s order on every rank "
-                f"({per_rank[0][e]} on rank 0): call sampler.set_epoch(epoch) at the start of each "
-                f"epoch, or the sampler shuffles with the same seed every time.")
+    _judge_shuffling(per_rank, ws, SAMPLES, EPOCHS, f"{where}, ", "samples",
+                     "pass shuffle=True to the sampler")
     for rank in range(ws):
         if again[rank] != per_rank[rank]:
             raise CheckFailed(
@@ -705,16 +697,23 @@ def _judge_reads(reads, ws):
                 f"in epoch {e}, sequence {i} was read by ranks {owners[i][0]} and {owners[i][1]}"
                 f"{never}: the ranks must split one permutation, each with its own global rank "
                 f"and the same seed.")
-    unshuffled = [list(range(rank, SEQUENCES, ws)) for rank in range(ws)]
-    if all(epochs[r][0] == unshuffled[r] for r in range(ws)):
-        raise CheckFailed(f"epoch 0 reads the sequences in order ({unshuffled[0]} on rank 0): "
-                          f"nothing was shuffled; the sampler shuffles by default.")
-    for e in range(1, SCRIPT_EPOCHS):
-        if all(epochs[r][e] == epochs[r][e - 1] for r in range(ws)):
+    _judge_shuffling(epochs, ws, SEQUENCES, SCRIPT_EPOCHS, "", "sequences",
+                     "the sampler shuffles by default")
+
+
+def _judge_shuffling(per_rank, ws, n, epochs, where, noun, fix):
+    """per_rank[r][e]: the indices rank r read in epoch e. Refuses an unshuffled first epoch and
+    an epoch that repeats the one before (the missing set_epoch)."""
+    unshuffled = [list(range(rank, n, ws)) for rank in range(ws)]
+    if all(per_rank[r][0] == unshuffled[r] for r in range(ws)):
+        raise CheckFailed(f"{where}epoch 0 reads the {noun} in order ({unshuffled[0]} on rank 0): "
+                          f"nothing was shuffled; {fix}.")
+    for e in range(1, epochs):
+        if all(per_rank[r][e] == per_rank[r][e - 1] for r in range(ws)):
             raise CheckFailed(
-                f"epoch {e} repeats epoch {e - 1}'s order on every rank ({epochs[0][e]} on rank "
-                f"0): call sampler.set_epoch(epoch) at the start of each epoch, or the sampler "
-                f"shuffles with the same seed every time.")
+                f"{where}epoch {e} repeats epoch {e - 1}'s order on every rank "
+                f"({per_rank[0][e]} on rank 0): call sampler.set_epoch(epoch) at the start of each "
+                f"epoch, or the sampler shuffles with the same seed every time.")
 
 
 def _judge_script_steps(got, ws):
