@@ -3,6 +3,35 @@ import time
 
 import pytest
 
+# A kernel's ports are picked free by jupyter_client, released, and bound by the kernel a moment
+# later; with three pytest workers starting kernels and ranks opening connections, another process
+# sometimes takes one in between and the kernel dies at birth ("Address already in use"). A new
+# kernel gets new ports: try again, twice at most. (Kernels only; the tests' own code is untouched.)
+KERNEL_BORN_DEAD = ("Kernel died before replying to kernel_info",
+                    "Kernel didn't respond to heartbeats")
+
+
+def retry_kernel_start(start):
+    def start_kernel(*args, **kwargs):
+        for attempt in range(3):
+            try:
+                return start(*args, **kwargs)
+            except RuntimeError as e:
+                if attempt == 2 or not any(s in str(e) for s in KERNEL_BORN_DEAD):
+                    raise
+    return start_kernel
+
+
+def pytest_configure(config):
+    import jupyter_client.manager
+    jupyter_client.manager.start_new_kernel = retry_kernel_start(
+        jupyter_client.manager.start_new_kernel)
+    try:
+        import nbval.kernel
+    except ImportError:
+        return
+    nbval.kernel.start_new_kernel = retry_kernel_start(nbval.kernel.start_new_kernel)
+
 # tests/browser needs Chromium, playwright and minutes of JupyterLab: `make test-browser` runs it.
 # Not even its conftest is imported otherwise (it would shadow this one for `from conftest import`).
 collect_ignore = [] if os.environ.get("DISTLAB_BROWSER_TEST") else ["browser"]

@@ -7,6 +7,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError
 
+from conftest import retry_kernel_start
 from distlab.exercises import make_exercise, problems, strip_solutions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +67,7 @@ def executed_workbooks():
     client = NotebookClient(merged, timeout=120, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(ROOT / "exercises")}})
     try:
-        client.execute()
+        retry_kernel_start(client.execute)()
     except CellTimeoutError as e:  # pragma: no cover - the failure we guard against
         pytest.fail(f"a cell hung instead of failing cleanly: {e}")
     return {name: merged.cells[a:b] for name, (a, b) in spans.items()}
@@ -128,3 +129,27 @@ def test_nbgrader_source_keeps_the_answers():
     assert [c.metadata.nbgrader.grade_id for c in out.cells] == [
         "99-f", "99-check_f", "99-check_f-2"]
     assert out.cells[1].metadata.nbgrader.points == 1
+
+
+def test_a_kernel_that_dies_at_birth_is_started_again():
+    """The test run's own guard (conftest.retry_kernel_start): a kernel killed by a port taken
+    from under it is started again, twice at most; any other failure is not retried."""
+    calls = []
+
+    def dies(times, message="Kernel died before replying to kernel_info"):
+        def start():
+            calls.append(1)
+            if len(calls) <= times:
+                raise RuntimeError(message)
+            return "kernel"
+        return start
+
+    assert retry_kernel_start(dies(2))() == "kernel" and len(calls) == 3
+    calls.clear()
+    with pytest.raises(RuntimeError, match="died"):
+        retry_kernel_start(dies(3))()
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(RuntimeError, match="something else"):
+        retry_kernel_start(dies(1, "something else"))()
+    assert len(calls) == 1
