@@ -1,5 +1,4 @@
 """Exercises are generated from solutions, stay in sync, and their stubs fail cleanly."""
-import re
 from pathlib import Path
 
 import nbformat
@@ -8,10 +7,9 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError
 
 from conftest import retry_kernel_start
-from distlab.exercises import make_exercise, problems, strip_solutions
+from distlab.exercises import CHECK_CALL, make_exercise, problems, strip_solutions
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECK_CALL = re.compile(r"\bch\d\d\.check_\w+\(")
 
 
 def test_strip_solutions_keeps_indentation_and_the_rest():

@@ -5,7 +5,6 @@ import sys
 import pytest
 import torch
 
-import distlab
 from distlab import train
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
@@ -19,12 +18,11 @@ def torchrun(*options):
 
 
 def here(capsys, *options):
-    """The same run started by distlab.run from this process (a warm launcher: a second, where
-    torchrun takes several); its ranks run train.main exactly as torchrun's do."""
+    """The same run as `python -m distlab.train` without torchrun starts it: its ranks come from
+    this process's warm launcher (a second, where torchrun takes several) and run train.main
+    exactly as torchrun's do."""
     capsys.readouterr()
-    args = train.parse(["--dtype", "float64", "--steps", "5", *options])
-    distlab.run(train._on_rank, args.dp * args.pp * args.tp, args, init=False, timeout=300,
-                threads=1)  # torchrun's OMP_NUM_THREADS=1: the same bits
+    train._launch_here(train.parse(["--dtype", "float64", "--steps", "5", *options]))
     return capsys.readouterr().out
 
 

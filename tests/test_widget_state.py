@@ -12,13 +12,13 @@ from nbformat.v4 import new_code_cell, new_notebook, new_output
 
 ROOT = Path(__file__).resolve().parent.parent
 VIEW = "application/vnd.jupyter.widget-view+json"
-STATE = "application/vnd.jupyter.widget-state+json"
 NOTEBOOKS = sorted(p for folder in ("notebooks", "solutions", "exercises")
                    for p in (ROOT / folder).glob("*.ipynb"))
 
 _spec = importlib.util.spec_from_file_location("regen", ROOT / "tools" / "regen.py")
 regen = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(regen)
+STATE = regen.WIDGET_STATE
 
 
 def views_in(outputs):

@@ -22,7 +22,6 @@ drawn with its pictures loaded), never for a fixed time.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,8 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbformat.sign import NotebookNotary
+
+from distlab.launch import _free_port as free_port
 
 playwright = pytest.importorskip("playwright.sync_api", reason="pip install -e '.[browser]'")
 
@@ -61,12 +62,6 @@ def chromium_path():
         if found:
             return found
     pytest.skip("no Chromium: `playwright install chromium` or `apt-get install chromium`")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def widget_cells(name):
