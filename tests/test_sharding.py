@@ -247,3 +247,56 @@ def test_fsdp2_averages_gradients_on_gloo(world_size):
     for params in distlab.run(train_fsdp2, world_size, timeout=120):
         for got, want in zip(params, ref_params):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+# ---- ZeRO-3 prefetch when layers run in another order than they are defined ------------------------
+
+class OutOfOrder(nn.Module):
+    """Layers defined in another order than forward runs them, and a parameter on the root module
+    (a gate): prefetch follows the definition order, so it gathers layers that already ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(7, 3)          # defined first, runs last
+        self.mid = nn.Linear(7, 7)
+        self.inp = nn.Linear(5, 7)           # defined last, runs first
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, 7))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x)) * self.gate
+        return self.head(torch.tanh(self.mid(h)))
+
+
+def _out_of_order_model():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        return OutOfOrder().double()
+
+
+def _out_of_order_reference():
+    model = _out_of_order_model()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    for x, y in _tied_batches():
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _out_of_order_zero3(rank, world_size):
+    model = _out_of_order_model()
+    zero = ZeRO(model, 3, optimizer="adam", lr=LR, prefetch=True)
+    for x, y in _tied_batches():
+        zero.zero_grad()
+        F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+        zero.step()
+    return zero.full_parameters()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_zero3_prefetch_out_of_order_and_root_parameter_equals_single_process(world_size):
+    expected = _out_of_order_reference()
+    for rank, params in enumerate(distlab.run(_out_of_order_zero3, world_size, timeout=60)):
+        for i, (got, want) in enumerate(zip(params, expected)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13,
+                                       msg=f"parameter {i}, rank {rank}")

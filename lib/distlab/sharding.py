@@ -86,7 +86,8 @@ class ZeRO:
     one parameter; one that gets no gradient in a step is skipped, as on one process.
 
     Stage 3 with `prefetch=True` launches the all-gather of the next layer (in the order the
-    modules were defined; the previous one in backward) asynchronously while this layer computes.
+    modules were defined; the previous one in backward) asynchronously while this layer computes;
+    step() drops the gathers of pre-step weights that this order left behind.
 
     Mixed precision (`compute_dtype=torch.bfloat16`): the shards stay in the model's dtype (fp32
     master weights, and the optimizer's state beside them); the model's own parameters become
@@ -243,6 +244,26 @@ class ZeRO:
         if self.stage < 3:  # every rank needs the full updated weights for the next forward
             for p, s in zip(self.params, self.shards):
                 self._all_gather_param(p, s)
+        else:
+            self._forget_full_parameters()
+
+    def _forget_full_parameters(self):
+        """Stage 3, after the step: no full parameter may outlive the shards it was gathered from.
+
+        Prefetch follows the order the modules were DEFINED in, not the order forward runs them,
+        so it can gather a layer whose backward is already done (a layer defined after the one
+        that runs next, a parameter on the root module); that gather of the pre-step shards is
+        still pending, or already filled, when the step changes the shards. Were it kept, the
+        next forward would take it for the layer's weights and skip the real gather. So: wait
+        for every pending gather (every rank launched the same ones; the bytes did travel) and
+        free every full parameter, and the next forward gathers the updated shards.
+        """
+        for module in list(self._pending):
+            for p, parts, work in self._pending.pop(module):
+                work.wait()
+                self.sent["all_gather"] += parts[0].numel() * p.element_size() * (self.world - 1)
+        for p in self.params:
+            _free_storage(p)
 
     def _cast_inputs(self, module, args):
         return tuple(a.to(self.compute_dtype) if isinstance(a, torch.Tensor) and
