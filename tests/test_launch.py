@@ -598,3 +598,52 @@ def test_torch_distributed_debug_passed_in_env_takes_effect():
     # The forkserver imported torch before the rank saw env=...; the launcher re-reads it.
     with pytest.raises(RankFailed, match="Detected mismatch between collectives"):
         distlab.run(mismatched_ops, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=60)
+
+
+# ---- no orphans: what a rank started ends with the run ------------------------------------------
+
+def start_grandchildren(folder, rank):
+    """Two `sleep 60` children of this rank: one in its process group, one in a group of its own
+    (as a shell with job control or `process_group=0` makes); their pids go to `folder`."""
+    kids = [subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"], process_group=0)]
+    for k, kid in enumerate(kids):
+        (folder / f"kid{rank}-{k}").write_text(str(kid.pid))
+    return kids
+
+
+def grandchild_pids(folder):
+    return [int(p.read_text()) for p in sorted(folder.glob("kid*"))]
+
+
+def leave_grandchildren(rank, world_size, folder, how):
+    kids = start_grandchildren(folder, rank)
+    if rank == 1:
+        if how == "exit":
+            os._exit(3)
+        if how == "raise":
+            raise ValueError("rank 1 gives up")
+        return len(kids)
+    if how != "return":
+        dist.all_reduce(torch.ones(1))      # rank 1 is gone: this rank fails and exits too
+    return len(kids)
+
+
+@pytest.mark.parametrize("how", ["return", "exit", "raise"])
+def test_what_a_rank_started_is_stopped_whatever_way_the_rank_ended(tmp_path, how):
+    # A rank that exited (returned, died, or left after a peer died) has a known exit code; the
+    # processes it started must be stopped all the same, also those in a process group of their own.
+    try:
+        if how == "return":
+            assert distlab.run(leave_grandchildren, 2, tmp_path, how, timeout=5) == [2, 2]
+        else:
+            with pytest.raises(RankFailed) as info:
+                distlab.run(leave_grandchildren, 2, tmp_path, how, timeout=5)
+            assert info.value.rank == 1
+        assert len(grandchild_pids(tmp_path)) == 4
+        assert wait_gone(grandchild_pids(tmp_path), seconds=5) == []
+    finally:
+        for pid in grandchild_pids(tmp_path):   # never leave them behind, even when it fails
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass

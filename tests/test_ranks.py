@@ -164,3 +164,45 @@ def test_bad_arguments_are_refused_with_a_sentence(shell):
         shell.run_cell_magic("ranks", "2 --timeout -1", "pass")
     with pytest.raises(ValueError, match="takes `stop` or `pull NAME`"):
         shell.run_line_magic("ranks", "push x")
+
+
+# ---- no orphans: what a rank started ends with the ranks ----------------------------------------
+
+def start_grandchildren(folder):
+    """A cell that starts two `sleep 60` children on every rank, one in the rank's process group
+    and one in a group of its own, and writes their pids into `folder`."""
+    return (f"import os, pathlib, subprocess\n"
+            f"kids = [subprocess.Popen(['sleep', '60']),\n"
+            f"        subprocess.Popen(['sleep', '60'], process_group=0)]\n"
+            f"for k, kid in enumerate(kids):\n"
+            f"    (pathlib.Path({str(folder)!r}) / f'kid{{rank}}-{{k}}').write_text(str(kid.pid))\n")
+
+
+def grandchild_pids(folder):
+    return [int(p.read_text()) for p in sorted(folder.glob("kid*"))]
+
+
+@pytest.fixture
+def grandchildren(tmp_path):
+    yield tmp_path
+    for pid in grandchild_pids(tmp_path):     # never leave them behind, even when a test fails
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def test_ranks_stop_stops_what_the_ranks_started(shell, capsys, grandchildren):
+    assert cell(shell, "2", start_grandchildren(grandchildren)) is None
+    assert len(grandchild_pids(grandchildren)) == 4
+    shell.run_line_magic("ranks", "stop")
+    capsys.readouterr()
+    assert wait_gone(grandchild_pids(grandchildren), seconds=5) == []
+
+
+def test_what_a_dead_rank_started_is_stopped_with_the_ranks(pool, grandchildren):
+    with pytest.raises(RankFailed, match="rank 1 exited with code 3"):
+        pool.run_cell(start_grandchildren(grandchildren) +
+                      "if rank == 1:\n    os._exit(3)\ndist.barrier()", timeout=5)
+    assert pool.broken == "rank 1 died" and len(grandchild_pids(grandchildren)) == 4
+    assert wait_gone(grandchild_pids(grandchildren), seconds=5) == []

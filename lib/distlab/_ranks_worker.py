@@ -1,13 +1,13 @@
 """The rank side of `%%ranks`: a rank that stays, running one cell after another.
 
-The rank starts exactly like a rank of `distlab.run` (`_worker.main`: own process group, fds 1/2
+The rank starts exactly like a rank of `distlab.run` (`_worker.main`: own session, fds 1/2
 to the parent, torchrun's environment, the process group initialised, stack dumps on SIGUSR1);
 the function it runs is `serve`, a loop that executes the cells the notebook sends, in one
 namespace that lives as long as the rank. Each cell is answered on the message pipe with the
 launcher's own messages: ("result", None) when it finished, ("error", ...) when it raised.
 
 A thread reads the command pipe: when it reaches end of file (the kernel stopped or died), the
-rank kills its own process group at once, whatever the main thread is doing. Linux's
+rank kills its own session at once, whatever the main thread is doing. Linux's
 PR_SET_PDEATHSIG backs it up, should that thread never get the interpreter lock.
 """
 import ast
@@ -31,10 +31,9 @@ def main(spec, payload, conn, out_w, err_w, cmd_conn):
     global _cmd_conn
     _cmd_conn = cmd_conn
     _die_with_parent()
-    # Own process group BEFORE the watchdog can fire: its killpg must never reach the notebook's
-    # group (_worker.main calls setpgrp again, harmlessly).
-    if hasattr(os, "setpgrp"):
-        os.setpgrp()
+    # Own session BEFORE the watchdog can fire: its kill must never reach the notebook's group
+    # (_worker.main leaves a session this process already leads as it is).
+    _worker.lead_own_session()
     threading.Thread(target=_read_commands, name="distlab-commands", daemon=True).start()
     _worker.main(spec, dumps((serve, (spec,), {})), conn, out_w, err_w)
 
@@ -57,9 +56,9 @@ def _read_commands():
             command = _cmd_conn.recv()
         except (EOFError, OSError):
             # The notebook's end of the pipe is closed: nobody will ever read this rank's output.
-            # Take down what this rank started too, but only a group this rank leads.
-            if os.getpgid(0) == os.getpid():
-                os.killpg(os.getpid(), signal.SIGKILL)
+            # Take down what this rank started too, but only a session this rank leads.
+            if os.getsid(0) == os.getpid():
+                _worker.kill_sessions([os.getpid()])
             os._exit(1)
         _commands.put(command)
 

@@ -125,6 +125,8 @@ class _Rank:
     def __init__(self, rank):
         self.rank = rank
         self.process = None
+        self.pid = None          # kept: a closed Process object no longer tells it
+        self.stopped = False     # its session was killed after it ended (never signal it twice)
         self.conn = None
         self.pipes = {}          # fd -> "out" | "err"
         self.out = {"out": bytearray(), "err": bytearray()}
@@ -216,6 +218,7 @@ class Launch:
         r.process = ctx.Process(target=target, name=f"distlab-rank{r.rank}",
                                 args=(spec, payload, send_conn, out_w, err_w, *extra))
         _start_without_main(r.process)
+        r.pid = r.process.pid
         for c in (send_conn, out_w, err_w):
             c.close()
         r.conn = recv_conn
@@ -320,7 +323,7 @@ class Launch:
             return {}
         for r in running:
             try:
-                os.kill(r.process.pid, signal.SIGUSR1)
+                os.kill(r.pid, signal.SIGUSR1)
             except OSError:
                 pass
         # faulthandler writes from the signal handler; a dump is complete once it stops growing.
@@ -345,18 +348,29 @@ class Launch:
             self.progress.update(desc, n, total)
 
     def _stop_all(self):
+        """Kill every rank and whatever it started, also when the rank itself has ended: one that
+        died, returned, or left after a peer died can leave its children running."""
+        # Each rank leads its own session (_worker.main): one look through them all.
+        _worker.kill_sessions([r.pid for r in self.ranks if r.pid is not None and not r.stopped])
         for r in self.ranks:
-            p = r.process
-            if p is None or p.pid is None or r.exitcode is not None:
+            if r.pid is None or r.stopped:
                 continue
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (OSError, AttributeError):
-                p.kill()
+            if r.exitcode is None:
+                try:
+                    r.process.kill()      # also a rank killed before it could lead a session
+                except (OSError, ValueError):
+                    pass
         for r in self.ranks:
-            if r.process is not None and r.process.pid is not None and r.exitcode is None:
-                r.process.join(5)
-                r.exitcode = r.process.exitcode
+            if r.pid is None or r.stopped:
+                continue
+            if r.exitcode is None:
+                try:
+                    r.process.join(5)
+                    r.exitcode = r.process.exitcode
+                except ValueError:        # closed by _close_fds: it had ended
+                    pass
+            # Done once: much later its pid may name someone else's group.
+            r.stopped = r.exitcode is not None
         self._drain_pipes()
 
     def _drain_pipes(self):
@@ -375,7 +389,7 @@ class Launch:
                 c.close()
             if r.conn is not None:
                 r.conn.close()
-            if r.process is not None and r.process.pid is not None:
+            if r.process is not None and r.pid is not None:
                 try:
                     r.process.close()
                 except ValueError:

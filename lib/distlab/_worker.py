@@ -17,6 +17,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from . import devices
 from ._payload import dumps, to_cpu
 
 # Set while a rank runs: its message pipe to the parent and its device.
@@ -28,9 +29,9 @@ _rank = None
 def main(spec, payload, conn, out_w, err_w):
     global _conn, _device, _rank
     _rank = spec["rank"]
-    # Own process group, so the parent can kill this rank together with anything it started.
-    if hasattr(os, "setpgrp"):
-        os.setpgrp()
+    # Own session (and process group), so the parent can stop whatever this rank started, even
+    # after the rank itself has ended (kill_session).
+    lead_own_session()
     # Send fd 1 and 2 (C++ warnings too, not only print) to the parent's pipes for this rank.
     os.dup2(out_w.fileno(), 1)
     os.dup2(err_w.fileno(), 2)
@@ -63,6 +64,7 @@ def main(spec, payload, conn, out_w, err_w):
         _device = torch.device("cuda", _rank)
     else:
         _device = torch.device("cpu")
+    devices.set_current(_device)
     linecache.cache.update(spec.get("sources", {}))
 
     try:
@@ -102,6 +104,70 @@ def main(spec, payload, conn, out_w, err_w):
     conn.close()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def lead_own_session():
+    """Make this process the leader of a new session and process group, both named by its pid.
+
+    Everything the rank starts inherits them: a child that moves to a process group of its own
+    (a shell with job control, `Popen(process_group=0)`) stays in the session. Only a child that
+    starts a session of its own (`start_new_session=True`, a daemon) leaves it."""
+    if hasattr(os, "setsid") and os.getsid(0) != os.getpid():
+        os.setsid()
+
+
+def kill_sessions(leaders):
+    """SIGKILL the ranks `leaders` (pids) and every process they left in their sessions.
+
+    A rank may be gone (it died, returned, or left after a peer died) while its children run on:
+    its pid still names their group and session (Linux frees a pid only once no process uses it
+    as a group or session id), so it finds them. A group goes in one call; members of other
+    groups of a session are found in /proc (Linux), again until none is left (one may fork).
+    A rank may stop its own session: it goes last."""
+    leaders, me = set(leaders), os.getpid()
+    if not leaders or not hasattr(os, "killpg"):
+        return
+    for leader in leaders - {me}:
+        _killpg(leader)       # first, so that no rank can start more while we look
+    for _ in range(10):
+        left = [pid for pid, sid in _sessions() if sid in leaders and pid not in leaders | {me}]
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    if me in leaders:
+        _killpg(me)
+
+
+def _killpg(pgid):
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _sessions():
+    """(pid, session id) of every live process (zombies excluded), from /proc; [] elsewhere."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after the command name: state, ppid, pgrp, session, ...
+        if len(fields) > 3 and fields[0] != b"Z":
+            out.append((int(name), int(fields[3])))
+    return out
 
 
 def _init_process_group(spec):

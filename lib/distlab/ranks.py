@@ -89,7 +89,7 @@ class Pool(Launch):
 
     @property
     def pids(self):
-        return [r.process.pid for r in self.ranks if r.process is not None]
+        return [r.pid for r in self.ranks if r.pid is not None]
 
     # ---- the cells --------------------------------------------------------------------------
     def run_cell(self, source, timeout=DEFAULT_TIMEOUT, filename="<ranks cell>", emulate=None):
@@ -148,7 +148,7 @@ class Pool(Launch):
         """SIGINT to every rank still in the cell; kill those that do not stop in time."""
         for r in self._pending():
             try:
-                os.kill(r.process.pid, signal.SIGINT)
+                os.kill(r.pid, signal.SIGINT)
             except OSError:
                 pass
         self._interrupting, self.timeout = True, INTERRUPT_S
