@@ -147,7 +147,7 @@ def measure(collective_fn, sizes, repeats=5, group=None, dtype=torch.float32, de
     collective is done; the median over repetitions resists the odd hiccup of a busy machine.
     """
     if device is None:
-        from .launch import device as rank_device
+        from .devices import device as rank_device
         device = rank_device()
     itemsize = torch.empty((), dtype=dtype).element_size()
     out = []

@@ -157,7 +157,7 @@ def ep_dp_mesh(dp, ep):
     """A DeviceMesh of shape (dp, ep): "ep" last, so an EP group is a run of neighbouring ranks
     (the all-to-alls stay inside a node) and a DP group strides across them."""
     from torch.distributed.device_mesh import init_device_mesh
-    from .launch import device
+    from .devices import device
     if dp * ep != dist.get_world_size():
         raise ValueError(f"a ({dp}, {ep}) mesh needs {dp * ep} ranks; this run has "
                          f"{dist.get_world_size()}.")

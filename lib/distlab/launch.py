@@ -23,40 +23,13 @@ from . import _worker
 from ._explain import RankFailed, RunTimeout
 from ._payload import pickle_payload
 from ._supervise import Launch, Results, cores as _cores, free_port as _free_port
+from .devices import BACKENDS, NCCL_WITH_CPU, choose_backend, device, uses_nccl  # noqa: F401
 
 __all__ = ["run", "device", "choose_backend", "RankFailed", "RunTimeout", "Results",
            "DEFAULT_TIMEOUT"]
 
 MAX_WORLD_SIZE = 64
 DEFAULT_TIMEOUT = 30.0
-NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"   # CPU tensors over gloo, CUDA tensors over NCCL
-BACKENDS = ("gloo", "nccl", NCCL_WITH_CPU)
-
-
-def device():
-    """The device this rank should use: cuda:LOCAL_RANK under nccl, else the CPU."""
-    import torch
-    return _worker._device if _worker._device is not None else torch.device("cpu")
-
-
-def choose_backend(world_size):
-    """NCCL (with gloo for CPU tensors) when every rank can have its own GPU, gloo otherwise.
-
-    Plain "nccl" has no backend for CPU tensors, and most cells build CPU tensors; the composite
-    string gives each device type its own backend. It fails on a build without NCCL, so it is
-    chosen only where NCCL exists."""
-    import torch
-    import torch.distributed as dist
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size \
-            and dist.is_nccl_available():
-        return NCCL_WITH_CPU
-    return "gloo"
-
-
-def uses_nccl(backend):
-    return "nccl" in backend
-
-
 def run(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, backend=None, init=True, threads=None,
         env=None, trace=False, emulate=None, **kwargs):
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return their results.

@@ -169,7 +169,7 @@ class HandMesh:
 def device_mesh(shape, names, device_type=None):
     """`init_device_mesh` on this rank's device type ("cpu" under gloo, "cuda" under nccl)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from .launch import device
+    from .devices import device
     shape, names = check_mesh(shape, names, dist.get_world_size())
     mesh = init_device_mesh(device_type or device().type, shape, mesh_dim_names=names)
     wait_until_connected()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .data_parallel import average_gradients, shard_batch
-from .launch import device
+from .devices import device
 from .mesh import HandMesh, coordinate
 from .models import lm_loss
 from .tensor_parallel import ColumnParallelLinear, ParallelBlock, RowParallelLinear

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from .context_parallel import ring_attention, zigzag_positions
 from .data_parallel import shard_batch
-from .launch import device
+from .devices import device
 from .mesh import HandMesh, rank_at
 from .models import lm_loss
 from .tensor_parallel import ParallelAttention, ParallelBlock

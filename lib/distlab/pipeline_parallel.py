@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .launch import device
+from .devices import device
 from . import trace
 from .pipeline_schedules import normalize
 
