@@ -12,6 +12,7 @@ Two layers, because neither sees everything:
   `native`. Under emulation the mode also charges each operation's modeled compute time.
 The profiler sees c10d calls too, but not the peer of a message, and it cannot delay a wait.
 """
+import sys
 import threading
 import time
 
@@ -97,7 +98,15 @@ class TracedWork(dist.Work):
         return ok
 
     def is_completed(self):
-        return self._inner.is_completed()
+        rec = self._recorder
+        if rec.clock is None or self._finished:
+            return self._inner.is_completed()
+        # Emulated: done when the modeled transfer is (this learns the peers' start times).
+        end = rec.completion(self._event)
+        if end is None or end > rec.clock.now:
+            return False
+        self._inner.wait()          # every member launched it: the real result is moments away
+        return True
 
     def is_success(self):
         return self._inner.is_success()
@@ -241,12 +250,12 @@ class Recorder:
             event["op"], event["bytes"] = op, size(args, len(ranks))
         self._open = None
         if self.clock is not None:
+            # Launch only publishes; its start and end are learned when needed (completion).
             if event["op"] == "send":
-                event["start"], event["end"] = self.clock.send(event["bytes"], event["peer"],
-                                                               event["tag"])
+                event["_node"] = self.clock.send(event["bytes"], event["peer"], event["tag"])
             elif event["op"] != "recv":
-                event["start"], event["end"] = self.clock.collective(
-                    event["op"], event["bytes"], ranks, pg.group_name)
+                event["_node"] = self.clock.collective(event["op"], event["bytes"], ranks,
+                                                       pg.group_name)
         self.events.append(event)
         event["_marker"] = self._marker()
         self.inside = True
@@ -268,9 +277,7 @@ class Recorder:
         if event["op"] == "recv" and event["peer"] is None and inner is not None:
             event["peer"] = event["group"][inner._source_rank()]
         if self.clock is not None:
-            if event["op"] == "recv":
-                arrival = self.clock.arrival(event["peer"], event["tag"])
-                event["start"], event["end"] = event["launch"], max(event["launch"], arrival)
+            self.completion(event)
             event["waited"] = max(0.0, event["end"] - self.clock.now)
             self.clock.now = max(self.clock.now, event["end"])
         else:
@@ -279,17 +286,31 @@ class Recorder:
             event["waited"] = event["end"] - called
         self._open = None
 
+    def completion(self, event):
+        """When the transfer of `event` completes on the virtual clock, worked out now if not
+        known yet (this may wait on the host for peers to launch it); None while a receive from
+        any source has not learned its sender."""
+        if event["end"] is None:
+            if event["op"] == "recv":
+                if event["peer"] is None:
+                    return None
+                arrival = self.clock.arrival(event["peer"], event["tag"])
+                event["start"], event["end"] = event["launch"], max(event["launch"], arrival)
+            elif "_node" in event:
+                event["start"], event["end"] = self.clock.resolve(event.pop("_node"))
+        return event["end"]
+
     def native(self, op, nbytes, dtype):
         """A collective issued from C++ (torch DDP, DTensor). Recorded; under emulation it occupies
         the link for its modeled time, but C++ waits for it, so the clock cannot wait with it."""
-        start = end = None
-        if self.clock is not None:
-            start, end = self.clock.unsynchronised(op, nbytes)
-        self._open = None
-        self.events.append(dict(
+        event = dict(
             kind="comm", op=op, method=op, group=None, peer=None, tag=None, bytes=nbytes,
-            dtype=dtype, launch=self.now(), start=start, end=end, waited=0.0, async_op=True,
-            native=True, label=self._label[-1:] or None, seq=len(self.events)))
+            dtype=dtype, launch=self.now(), start=None, end=None, waited=0.0, async_op=True,
+            native=True, label=self._label[-1:] or None, seq=len(self.events))
+        if self.clock is not None:
+            event["_node"] = self.clock.unsynchronised(op, nbytes)
+        self._open = None
+        self.events.append(event)
 
     # -- switching it on and off ---------------------------------------------------------------
     def start(self):
@@ -306,6 +327,12 @@ class Recorder:
             self._mode = None
         _unpatch()
         _active = None
+        if self.clock is not None and sys.exc_info()[0] is None:
+            # Transfers launched and never waited for: learn their times now (after a failure
+            # the peers may never launch theirs, so they stay unknown then).
+            for event in self.events:
+                if "_node" in event:
+                    self.completion(event)
         return dict(rank=self.rank, events=[_public(e) for e in self.events], spans=self.spans,
                     end=self.now())
 

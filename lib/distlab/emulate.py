@@ -16,59 +16,35 @@ The real tensors still flow through gloo, so results are exact and identical to 
 only time is modeled. The clocks are deterministic: an emulated timeline is the same on every
 run and every machine. Host (Python) overhead costs nothing on the virtual clock.
 
-Ranks agree on when a collective starts through the launcher's TCP store, outside the process
-groups being traced. An async collective therefore waits on the host (not on the virtual clock)
-until all its participants have launched it: code where a rank must receive something from a
-peer before that peer launches an async collective it already launched would deadlock here.
+Ranks agree on when a transfer starts through the launcher's TCP store, outside the process
+groups being traced, and launching never waits for a peer: at launch a rank only publishes when
+it is ready for the transfer and what its link does before it (`Clock`). The start (the last
+member's readiness, once every member's link is free) is worked out when a result is needed:
+`wait()`, `is_completed()`, `distlab.trace.completed_at`, a message's receipt, or the end of the
+run. So async collectives launched in different orders on different ranks (two groups, each
+rank its own order) run as they do plainly. Each rank's link takes its transfers in the order
+it launched them; transfers that ranks launched in orders that disagree take every member's link
+in one order instead: by when their last member launched them, ties by the lowest member's
+launch order. What the host still waits for: working out a start needs every transfer it depends
+on through the links to have been launched by all its members. A wait whose transfer is queued
+on a peer's link behind a transfer that some member launches only after this wait returns (rank
+0: async all_reduce, then send to rank 1; rank 1: receive, then the all_reduce) hangs here: in
+this one-link model the message cannot leave before the all_reduce is done (NCCL would run it).
 """
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass
 
 import torch
 
+from . import hardware
 from .cost import TERMS, Link
+from .hardware import Cluster, Device   # noqa: F401  (distlab.emulate.Cluster / Device stay public)
 
 
-@dataclass(frozen=True)
-class Device:
-    """An accelerator: peak FLOP/s per dtype and memory bandwidth (bytes/s)."""
-    name: str
-    flops: dict
-    memory_bandwidth: float
-
-    def peak(self, dtype):
-        return self.flops.get(dtype, self.flops[torch.float32])
-
-    def seconds(self, flops, nbytes, dtype):
-        """Roofline time of one operation: bound by arithmetic or by memory traffic."""
-        return max(flops / self.peak(dtype), nbytes / self.memory_bandwidth)
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """Devices and links: `intra` joins ranks of one node, `inter` joins nodes."""
-    name: str
-    device: Device
-    intra: Link
-    inter: Link = None
-    ranks_per_node: int = 8
-    source: str = ""
-
-    def link_between(self, ranks):
-        """The slowest link a set of global ranks communicates over."""
-        if self.inter is None or len({r // self.ranks_per_node for r in ranks}) <= 1:
-            return self.intra
-        return self.inter
-
-    def __str__(self):
-        links = f"{self.intra}"
-        if self.inter is not None:
-            per_node = f"{self.ranks_per_node} rank{'s' if self.ranks_per_node > 1 else ''}"
-            links = f"{per_node} per node; {self.intra}; {self.inter}"
-        return f"{self.name} ({self.device.name}; {links})"
-
-
-# Datasheet peaks (dense, no sparsity) and nominal per-direction link rates: what the hardware
-# can do at best. Real training reaches a fraction of them; the course uses them as a model.
+# The legacy presets: datasheet peaks (dense, no sparsity) and nominal per-direction link rates
+# on the α-β model, as the course shipped them. The calibrated clusters (achieved rates, launch
+# floor, NCCL's latency model, one ring per NIC) are in distlab.hardware and listed here too
+# (CALIBRATED); `hardware.DATASHEET` holds those clusters at their datasheet rates.
 _F32, _BF16, _F16, _F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 A100 = Device("NVIDIA A100 SXM 80GB", {_F32: 19.5e12, _BF16: 312e12, _F16: 312e12, _F64: 9.7e12},
               2.0e12)
@@ -82,40 +58,49 @@ PRESETS = {
     "a100-nvlink": Cluster(
         "A100 node", A100, NVLINK3, None, 8,
         "NVIDIA A100 datasheet: 19.5 TFLOP/s FP32, 312 TFLOP/s BF16, 2.0 TB/s HBM2e; "
-        "NVLink 3: 600 GB/s per GPU both directions together (300 GB/s each way)."),
+        "NVLink 3: 600 GB/s per GPU both directions together (300 GB/s each way).", nodes=1),
     "h100-nvlink": Cluster(
         "H100 node", H100, NVLINK4, None, 8,
         "NVIDIA H100 SXM datasheet: 67 TFLOP/s FP32, 989 TFLOP/s BF16 dense, 3.35 TB/s HBM3; "
-        "NVLink 4: 900 GB/s per GPU both directions together (450 GB/s each way)."),
+        "NVLink 4: 900 GB/s per GPU both directions together (450 GB/s each way).", nodes=1),
     "h100-ib": Cluster(
         "H100s, one per node, over InfiniBand", H100, NVLINK4, IB_NDR, 1,
         "as h100-nvlink, with every rank on its own node: one 400 Gb/s NDR port (50 GB/s) per GPU."),
     "h100-2nodes": Cluster(
         "two H100 nodes", H100, NVLINK4, IB_NDR, 4,
-        "as h100-nvlink inside a node; nodes of 4 ranks joined by 400 Gb/s InfiniBand NDR."),
+        "as h100-nvlink inside a node; nodes of 4 ranks joined by 400 Gb/s InfiniBand NDR.",
+        nodes=2),
     "a100-ethernet": Cluster(
         "A100s, one per node, over 100 Gb Ethernet", A100, NVLINK3, ETH_100G, 1,
         "as a100-nvlink, with every rank on its own node behind one 100 Gb/s Ethernet port."),
 }
+CALIBRATED = dict(hardware.PRESETS)
+PRESETS.update(CALIBRATED)
+PRESETS.update(hardware.DATASHEET)
 
 
-def resolve(emulate):
-    """A Cluster from what a learner passes: a preset name, a Cluster, or None/False."""
+def resolve(emulate, world_size=None):
+    """A Cluster from what a learner passes: a preset name, a Cluster, or None/False; with
+    `world_size`, refuses more ranks than the cluster has GPUs."""
     if emulate is None or emulate is False:
         return None
     if isinstance(emulate, Cluster):
-        return emulate
-    if isinstance(emulate, str) and emulate in PRESETS:
-        return PRESETS[emulate]
-    raise ValueError(
-        f"emulate must be the name of a preset ({', '.join(sorted(PRESETS))}) or a "
-        f"distlab.emulate.Cluster; got {emulate!r}.")
+        cluster = emulate
+    elif isinstance(emulate, str) and emulate in PRESETS:
+        cluster = PRESETS[emulate]
+    else:
+        raise ValueError(
+            f"emulate must be the name of a preset ({', '.join(sorted(PRESETS))}) or a "
+            f"distlab.emulate.Cluster; got {emulate!r}.")
+    if world_size is not None:
+        cluster.check_world_size(world_size)
+    return cluster
 
 
 # ---- the cost of one communication on the modeled link --------------------------------------------
 
-# Which α-β term of distlab.cost models each collective (the algorithms NCCL uses for large
-# messages: rings, and a binomial tree for one-to-all / all-to-one).
+# Which α-β term of distlab.cost models each collective on an α-β link (the algorithms NCCL uses
+# for large messages: rings, and a binomial tree for one-to-all / all-to-one).
 _MODEL = {"all_reduce": "ring_all_reduce", "all_gather": "ring_all_gather",
           "reduce_scatter": "ring_reduce_scatter", "broadcast": "tree_broadcast",
           "reduce": "tree_broadcast", "all_to_all": "all_to_all", "gather": "ring_all_gather",
@@ -123,7 +108,10 @@ _MODEL = {"all_reduce": "ring_all_reduce", "all_gather": "ring_all_gather",
 
 
 def comm_seconds(op, nbytes, world_size, link):
-    """Modeled seconds of `op` moving `nbytes` (the full tensor for gathers and scatters)."""
+    """Modeled seconds of `op` moving `nbytes` (the full tensor for gathers and scatters): the
+    calibrated link's own model (distlab.hardware.Link), or α-β on a distlab.cost.Link."""
+    if hasattr(link, "seconds"):
+        return link.seconds(op, nbytes, world_size)
     if world_size <= 1 and op != "send":
         return 0.0
     messages, volume = TERMS[_MODEL[op]](nbytes, world_size)
@@ -132,16 +120,26 @@ def comm_seconds(op, nbytes, world_size, link):
 
 # ---- the rank's side: a virtual clock and a link that serialises transfers -----------------------
 
-@dataclass
 class Clock:
-    """One rank's virtual time (seconds) and when its link is next free."""
-    cluster: Cluster
-    store: object                       # a store shared by the ranks, to agree on start times
-    rank: int
-    store_world_size: int = 1
-    now: float = 0.0
-    link_free: float = 0.0
-    _seq: dict = field(default_factory=dict)
+    """One rank's virtual time (seconds) and the transfers on its link.
+
+    Every transfer this rank takes part in is a node: at launch the rank publishes in the
+    store, without waiting, when it is ready for it (its clock), what its link does before
+    it (the transfer it launched last, or the time its link is free), and how long the transfer
+    occupies its link. The start of a transfer (the latest member's readiness, once each
+    member's link is free) is worked out only when somebody needs it: `resolve`."""
+
+    def __init__(self, cluster, store, rank, store_world_size=1):
+        self.cluster, self.store, self.rank = cluster, store, rank
+        self.store_world_size = store_world_size
+        self.now = 0.0
+        self.link_free = 0.0          # when the link is free after the transfers resolved so far
+        self._last = None             # the last transfer launched here, while not resolved
+        self._index = 0               # this rank's transfers so far (the order it launched them)
+        self._seq = {}
+        self._entries = {}            # (key, rank) -> (ready, after, seconds, index)
+        self._start = {}              # key -> agreed start
+        self._free = {}               # (key, rank) -> when that rank's link is free after it
 
     def compute(self, flops, nbytes, dtype):
         self.now += self.cluster.device.seconds(flops, nbytes, dtype)
@@ -151,42 +149,147 @@ class Clock:
         self._seq[key] = n + 1
         return n
 
+    # -- launching: publish, never wait -----------------------------------------------------------
+    def _launch(self, key, members, seconds):
+        self._forget_resolved()
+        # What this rank's link does before the new transfer: the transfer launched before it
+        # while nobody knows its start yet, else the time the link is free.
+        after = self._last if self._last is not None else self.link_free
+        entry = (self.now, after, seconds, self._index)
+        self._index += 1
+        self._entries[(key, self.rank)] = entry
+        self.store.set(f"{key}/{self.rank}", json.dumps(entry))
+        node = (key, tuple(members))
+        self._last = node
+        return node
+
     def collective(self, op, nbytes, ranks, group_name):
-        """(start, done) of a collective this rank launches now, agreed with its peers."""
-        ready = max(self.now, self.link_free)
+        """Launch a collective of the group `ranks`; returns its node (see `resolve`)."""
         key = f"c/{group_name}/{self._next(('c', group_name))}"
-        if len(ranks) > 1:
-            self.store.set(f"{key}/{self.rank}", repr(ready))
-            ready = max(float(v) for v in self.store.multi_get([f"{key}/{r}" for r in ranks]))
-        done = ready + comm_seconds(op, nbytes, len(ranks), self.cluster.link_between(ranks))
-        self.link_free = done
-        return ready, done
+        return self._launch(key, ranks, comm_seconds(op, nbytes, len(ranks),
+                                                     self.cluster.link_between(ranks)))
 
     def unsynchronised(self, op, nbytes):
-        """(start, done) of a collective whose peers cannot be asked (issued from C++): the
-        whole world, starting when this rank's link is free."""
-        start = max(self.now, self.link_free)
+        """Launch a collective whose peers cannot be asked (issued from C++): the whole world,
+        starting when this rank's link is free."""
         world = self.store_world_size
-        self.link_free = start + comm_seconds(op, nbytes, world,
-                                              self.cluster.link_between(range(world)))
-        return start, self.link_free
+        key = f"n/{self.rank}/{self._next('n')}"
+        return self._launch(key, (self.rank,), comm_seconds(
+            op, nbytes, world, self.cluster.link_between(range(world))))
 
     def send(self, nbytes, dst, tag):
-        """(start, arrival) of a message to global rank `dst`; the receiver learns the arrival."""
-        start = max(self.now, self.link_free)
-        arrival = start + comm_seconds("send", nbytes, 2,
-                                       self.cluster.link_between((self.rank, dst)))
-        self.link_free = arrival
+        """Launch a message to global rank `dst`; the receiver learns its arrival (`arrival`)."""
         key = f"p/{self.rank}/{dst}/{tag}/{self._next(('p', self.rank, dst, tag))}"
-        self.store.set(key, repr(arrival))
-        return start, arrival
+        return self._launch(key, (self.rank,), comm_seconds(
+            "send", nbytes, 2, self.cluster.link_between((self.rank, dst))))
 
     def arrival(self, src, tag):
         """When the next message from global rank `src` with `tag` arrives (waits for its send)."""
         key = f"p/{src}/{self.rank}/{tag}/{self._next(('p', src, self.rank, tag))}"
-        value = float(self.store.get(key))
-        self.store.delete_key(key)
-        return value
+        self.resolve((key, (src,)))
+        return self._free[(key, src)]
+
+    # -- resolving: when a result is needed -------------------------------------------------------
+    def resolve(self, node):
+        """(start, done) of a transfer this rank launched: waits (on the host) until every
+        transfer its start depends on has been launched by all of its members."""
+        key, members = node
+        if key not in self._start:
+            self._solve(node)
+        self._forget_resolved()
+        start = self._start[key]
+        if self.rank not in members:
+            return start, None
+        return start, start + self._entries[(key, self.rank)][2]
+
+    def _forget_resolved(self):
+        if self._last is not None and self._last[0] in self._start:
+            self.link_free, self._last = self._free[(self._last[0], self.rank)], None
+
+    def _entry(self, key, members):
+        missing = [m for m in members if (key, m) not in self._entries]
+        if missing:
+            values = self.store.multi_get([f"{key}/{m}" for m in missing])
+            for m, v in zip(missing, values):
+                ready, after, seconds, index = json.loads(v)
+                if isinstance(after, list):
+                    after = (after[0], tuple(after[1]))
+                self._entries[(key, m)] = (ready, after, seconds, index)
+        return [self._entries[(key, m)] for m in members]
+
+    def _after(self, key, members):
+        """The unresolved transfers that `key`'s members' links do before it."""
+        out = []
+        for m, (_, after, _, _) in zip(members, self._entry(key, members)):
+            if isinstance(after, tuple) and after[0] not in self._start:
+                out.append(after)
+        return out
+
+    def _free_before(self, key, m):
+        """When member m's link is free for `key` (the transfer before it there is resolved)."""
+        after = self._entries[(key, m)][1]
+        return after if not isinstance(after, tuple) else self._free[(after[0], m)]
+
+    def _solve(self, node):
+        # Tarjan's strongly connected components over "must wait for": dependencies come out
+        # first. A component of several transfers is a cycle: ranks launched them in orders
+        # that disagree.
+        index, low, stack, on_stack, order = {}, {}, [], set(), []
+        work = [(node, iter(self._after(*node)))]
+        index[node[0]] = low[node[0]] = 0
+        stack.append(node)
+        on_stack.add(node[0])
+        while work:
+            v, successors = work[-1]
+            w = next(successors, None)
+            if w is not None:
+                if w[0] not in index:
+                    index[w[0]] = low[w[0]] = len(index)
+                    stack.append(w)
+                    on_stack.add(w[0])
+                    work.append((w, iter(self._after(*w))))
+                elif w[0] in on_stack:
+                    low[v[0]] = min(low[v[0]], index[w[0]])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0][0]] = min(low[work[-1][0][0]], low[v[0]])
+            if low[v[0]] == index[v[0]]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w[0])
+                    component.append(w)
+                    if w[0] == v[0]:
+                        break
+                self._schedule(component)
+
+    def _schedule(self, component):
+        """Start times of a set of transfers whose dependencies are resolved. One transfer
+        starts when its last member is ready and every member's link is free. Transfers that
+        ranks launched in disagreeing orders take every member's link in one order instead: by
+        when their last member launched them, ties by the lowest member's launch order."""
+        keys = {key for key, _ in component}
+
+        def launched(node):
+            key, members = node
+            entries = self._entries
+            return (max(entries[(key, m)][0] for m in members), min(members),
+                    entries[(key, min(members))][3])
+        free = {}
+        for key, members in component:
+            for m in members:
+                after = self._entries[(key, m)][1]
+                if not (isinstance(after, tuple) and after[0] in keys):
+                    free[m] = self._free_before(key, m)    # where m's link enters the set
+        for key, members in sorted(component, key=launched):
+            start = max(max(self._entries[(key, m)][0], free[m]) for m in members)
+            self._start[key] = start
+            for m in members:
+                free[m] = start + self._entries[(key, m)][2]
+        for key, members in component:
+            for m in members:
+                self._free[(key, m)] = free[m]
 
 
 def describe(cluster):
