@@ -1,0 +1,272 @@
+"""Exercise 6 of workbook 05: find and fix the four production bugs of a DDP script, run on 4
+ranks standing in for 2 nodes, judged from what each rank read, sent, computed and wrote."""
+import os
+import tempfile
+
+import torch
+
+from ... import models
+from .. import CheckFailed, compare, passed, run_learner, sizes_phrase
+from ._common import _forbidden
+from .sampling import _judge_shuffling
+
+
+# ---- exercise 6: find and fix the bugs of a DDP script -------------------------------------------
+
+# The script runs on 4 ranks standing in for 2 nodes of 2 processes: each rank's environment says
+# what torchrun would set there (RANK = GROUP_RANK × 2 + LOCAL_RANK), so LOCAL_RANK repeats.
+NODES, PER_NODE = 2, 2
+SEQUENCES, MAX_TOKENS, SCRIPT_EPOCHS, SCRIPT_LR = 16, 4, 2, 0.1
+
+
+def _token_data():
+    """16 sequences of 4 positions, of which the first 1..4 are real tokens (float64)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(SEQUENCES, MAX_TOKENS, 4, generator=g, dtype=torch.float64)
+    y = torch.tanh(x @ torch.randn(4, 2, generator=g, dtype=torch.float64))
+    lengths = torch.randint(1, MAX_TOKENS + 1, (SEQUENCES,), generator=g)
+    return x, y, torch.arange(MAX_TOKENS) < lengths[:, None]
+
+
+def _token_model():
+    return models.make_mlp(sizes=(4, 8, 2), seed=4).double()
+
+
+class Sequences(torch.utils.data.Dataset):
+    """(x, y, mask) of one sequence per item; remembers which items this rank read, in order."""
+
+    def __init__(self, x, y, mask):
+        self.x, self.y, self.mask, self.read = x, y, mask, []
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.read.append(int(i))
+        return self.x[i], self.y[i], self.mask[i]
+
+
+def _token_reference(step_reads):
+    """One process, step by step, on the global batch (every sequence any rank read for that
+    step): the squared error summed over the batch's real tokens, divided by their number.
+    Returns per step the gradient, the parameters after SGD, and the gradient the ranks would get
+    if each took the mean over its own tokens and DDP averaged those means."""
+    model, (x, y, mask) = _token_model(), _token_data()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=SCRIPT_LR)
+    out = []
+    for per_rank in step_reads:
+        def loss_of(ids):
+            ids = torch.tensor(sorted(ids), dtype=torch.long)
+            return (model(x[ids]) - y[ids]).pow(2).sum(-1)[mask[ids]].mean()
+        own_means = [torch.autograd.grad(loss_of(ids), params) for ids in per_rank]
+        local = [sum(g) / len(own_means) for g in zip(*own_means)]
+        opt.zero_grad()
+        loss_of([i for ids in per_rank for i in ids]).backward()
+        grads = [p.grad.clone() for p in params]
+        opt.step()
+        out.append(dict(grads=grads, local=local, params=[p.detach().clone() for p in params],
+                        tokens=[int(mask[sorted(ids)].sum()) for ids in per_rank]))
+    return out
+
+
+def check_ddp_script(fn):
+    """fn(model, dataset, epochs, ckpt_path): one rank of a DDP training script, started as
+    torchrun starts it (RANK, WORLD_SIZE, LOCAL_RANK in the environment; the group is up).
+
+    Run on 4 ranks as 2 nodes × 2 processes. Judged on what the ranks did: which sequences each
+    read (every one exactly once per epoch across the ranks, a new order every epoch), the
+    gradient the optimizer used and the weights after every step against one process on the
+    global batch (the loss averaged over the global batch's tokens, float64), that gradients
+    travelled (trace), and who printed and who wrote the checkpoint (global rank 0 only).
+    """
+    name = getattr(fn, "__name__", "your script")
+    ws = NODES * PER_NODE
+
+    def learner(rank, world_size, path):
+        import contextlib
+        import io
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
+        from ... import _tracer
+        from .. import forbid
+        os.environ.update(LOCAL_RANK=str(rank % PER_NODE), LOCAL_WORLD_SIZE=str(PER_NODE),
+                          GROUP_RANK=str(rank // PER_NODE), GROUP_WORLD_SIZE=str(NODES))
+        events = _tracer._active.events
+        model, data = _token_model(), Sequences(*_token_data())
+        params = list(model.parameters())
+        log = {"steps": [], "saved": 0}
+        seen = {"read": 0, "events": 0}
+
+        def before(opt, args, kwargs):
+            if any(p is q for g in opt.param_groups for p in g["params"] for q in params):
+                log["steps"].append(dict(
+                    read=data.read[seen["read"]:], kind=type(opt).__name__,
+                    lr=[g["lr"] for g in opt.param_groups],
+                    grads=[p.grad.detach().cpu().clone() if p.grad is not None else None
+                           for p in params],
+                    reduced=sum(e["bytes"] for e in events[seen["events"]:]
+                                if e["op"] in ("all_reduce", "reduce_scatter"))))
+                seen.update(read=len(data.read), events=len(events))
+
+        def after(opt, args, kwargs):
+            if log["steps"] and "params" not in log["steps"][-1]:
+                log["steps"][-1]["params"] = [p.detach().cpu().clone() for p in params]
+
+        real_save = torch.save
+
+        def save(*args, **kwargs):
+            log["saved"] += 1
+            return real_save(*args, **kwargs)
+
+        printed = io.StringIO()
+        handles = [register_optimizer_step_pre_hook(before),
+                   register_optimizer_step_post_hook(after)]
+        torch.save = torch.serialization.save = save
+        try:
+            with forbid(_token_reference, *_forbidden(), exercise="fix the script yourself"), \
+                    contextlib.redirect_stdout(printed):
+                fn(model, data, SCRIPT_EPOCHS, path)
+        finally:
+            torch.save = torch.serialization.save = real_save
+            for h in handles:
+                h.remove()
+        log.update(read=list(data.read), printed=printed.getvalue(),
+                   final=[p.detach().cpu().clone() for p in params],
+                   grad_bytes=sum(p.numel() * p.element_size() for p in params))
+        return log
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "checkpoint.pt")
+        got = run_learner(learner, ws, path, name=name, timeout=30, trace=True,
+                          deadlock_rule="Every rank must make the same collective calls in the "
+                                        "same order: a collective under `if rank == 0:` waits "
+                                        "forever for the ranks that skipped it.")
+        _judge_reads([g["read"] for g in got], ws)
+        _judge_script_steps(got, ws)
+        _judge_reports(got, path, ws)
+    passed(f"{name} reads every sequence once per epoch in a new order across 2 nodes × 2 ranks, "
+           f"trains exactly like one process on the global batch, and only global rank 0 prints "
+           f"and saves the checkpoint.")
+
+
+def _node(rank):
+    return f"local rank {rank % PER_NODE} of node {rank // PER_NODE}"
+
+
+def _judge_reads(reads, ws):
+    share = SEQUENCES // ws
+    for rank, read in enumerate(reads):
+        if len(read) == SEQUENCES * SCRIPT_EPOCHS:
+            raise CheckFailed(
+                f"rank {rank} read all {SEQUENCES} sequences in every epoch: each rank must read "
+                f"only its {share}, through a DistributedSampler.")
+        if len(read) != share * SCRIPT_EPOCHS:
+            raise CheckFailed(
+                f"rank {rank} read {len(read)} sequences in {SCRIPT_EPOCHS} epochs; {SEQUENCES} "
+                f"sequences over {ws} ranks is {share} per rank per epoch.")
+    epochs = [[read[e * share:(e + 1) * share] for e in range(SCRIPT_EPOCHS)] for read in reads]
+    for e in range(SCRIPT_EPOCHS):
+        owners = {}
+        for rank in range(ws):
+            for i in epochs[rank][e]:
+                owners.setdefault(i, []).append(rank)
+        missing = sorted(set(range(SEQUENCES)) - set(owners))
+        never = f", and sequences {missing} were read by no rank" if missing else ""
+        for a in range(ws):
+            for b in range(a + 1, ws):
+                if sorted(epochs[a][e]) == sorted(epochs[b][e]) and a % PER_NODE == b % PER_NODE:
+                    raise CheckFailed(
+                        f"in epoch {e}, ranks {a} and {b} ({_node(a)} and {_node(b)}) trained on "
+                        f"the same sequences {sorted(epochs[a][e])}{never}: the sampler needs the "
+                        f"global rank (RANK), not LOCAL_RANK, which repeats on every node.")
+        twice = sorted(i for i, r in owners.items() if len(r) > 1)
+        if twice:
+            i = twice[0]
+            raise CheckFailed(
+                f"in epoch {e}, sequence {i} was read by ranks {owners[i][0]} and {owners[i][1]}"
+                f"{never}: the ranks must split one permutation, each with its own global rank "
+                f"and the same seed.")
+    _judge_shuffling(epochs, ws, SEQUENCES, SCRIPT_EPOCHS, "", "sequences",
+                     "the sampler shuffles by default")
+
+
+def _judge_script_steps(got, ws):
+    counts = {len(g["steps"]) for g in got}
+    if counts == {0}:
+        raise CheckFailed("no rank took an optimizer step: the script must train.")
+    if len(counts) > 1:
+        raise CheckFailed(f"the ranks took different numbers of optimizer steps "
+                          f"({[len(g['steps']) for g in got]}); each step is one global batch.")
+    steps = [[g["steps"][s]["read"] for g in got] for s in range(counts.pop())]
+    if sum(len(ids) for step in steps for ids in step) != SEQUENCES * SCRIPT_EPOCHS:
+        raise CheckFailed("some sequences were read after the last optimizer step: every batch "
+                          "read must be trained on.")
+    expected = _token_reference(steps)
+    names = [n for n, _ in _token_model().named_parameters()]
+    for s, want in enumerate(expected):
+        for rank in range(ws):
+            step = got[rank]["steps"][s]
+            if step["reduced"] < got[rank]["grad_bytes"]:
+                raise CheckFailed(
+                    f"rank {rank} took step {s} after all-reducing {step['reduced']} bytes; its "
+                    f"gradients hold {got[rank]['grad_bytes']} bytes: wrap the model in "
+                    f"DistributedDataParallel (or all-reduce every gradient) before the optimizer "
+                    f"steps.")
+            where = f"at step {s}, rank {rank}"
+            for n, g, e, local in zip(names, step["grads"], want["grads"], want["local"]):
+                if isinstance(g, torch.Tensor) and g.shape == e.shape and not _same(g, e):
+                    if _same(g, local):
+                        raise CheckFailed(
+                            f"{where}: the gradient of {n} is the average of each rank's mean "
+                            f"over its own tokens, but the ranks held {want['tokens']} of the "
+                            f"{sum(want['tokens'])} tokens, so a token counts more on a rank with "
+                            f"fewer: divide each rank's summed token loss by the global token "
+                            f"count (all_reduce it) and multiply by the world size DDP divides "
+                            f"by.")
+                    if _same(g * ws, e):
+                        raise CheckFailed(
+                            f"{where}: the gradient of {n} is one process's divided by {ws}: DDP "
+                            f"averages the ranks' gradients, so multiply the loss (summed tokens "
+                            f"/ global token count) by the world size.")
+                compare(g, e, f"{where}, the gradient of {n} (one process on the global batch's "
+                              f"{sum(want['tokens'])} tokens)", atol=1e-12, rtol=1e-9)
+            if step["kind"] != "SGD" or any(abs(lr - SCRIPT_LR) > 1e-12 for lr in step["lr"]):
+                raise CheckFailed(f"{where} stepped with {step['kind']} at lr {step['lr'][0]:g}; "
+                                  f"the script's optimizer is SGD at lr {SCRIPT_LR}: keep it.")
+            for n, p, e in zip(names, step["params"], want["params"]):
+                compare(p, e, f"{where}, the parameter {n} after the step", atol=1e-12,
+                        rtol=1e-9)
+
+
+def _same(a, b):
+    return torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def _judge_reports(got, path, ws):
+    for what, said in (("printed", [bool(g["printed"].strip()) for g in got]),
+                       ("wrote the checkpoint", [g["saved"] > 0 for g in got])):
+        who = [r for r in range(ws) if said[r]]
+        if who == [0]:
+            continue
+        if not who or 0 not in who:
+            how = " with torch.save" if what == "wrote the checkpoint" else ""
+            raise CheckFailed(f"rank 0 never {what}{how}: the script reports from global rank 0.")
+        other = who[1]
+        if all(r % PER_NODE == 0 for r in who):
+            why = f"rank {other} is {_node(other)}, so `local_rank == 0` is true once per node"
+        else:
+            why = f"rank {other} ran it too"
+        raise CheckFailed(
+            f"ranks {sizes_phrase(who)} {what}: {why}; only global rank 0 (RANK) should.")
+    if not os.path.exists(path):
+        raise CheckFailed(f"rank 0 called torch.save, but not with the path it was given "
+                          f"({path}).")
+    state = torch.load(path, map_location="cpu")
+    values = list(state.values()) if isinstance(state, dict) else None
+    final = got[0]["final"]
+    if values is None or len(values) != len(final) or not all(
+            isinstance(v, torch.Tensor) and v.shape == f.shape and _same(v.double(), f)
+            for v, f in zip(values, final)):
+        raise CheckFailed("the checkpoint does not hold the trained weights: save the model's "
+                          "state_dict() (ddp.module.state_dict()) after the last epoch.")
