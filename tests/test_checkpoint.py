@@ -152,3 +152,46 @@ def test_the_slurm_scripts_torchrun_line_joins_two_agents_standing_in_for_two_no
     logs = "".join(outs)
     assert "2 ranks (gloo) as dp=1 x pp=1 x tp=2; steps 0..3" in logs   # one world of two agents
     assert checkpoint.read(folder)["meta"]["losses"] == uninterrupted["meta"]["losses"]
+
+
+# ---- a save killed midway never destroys the only good checkpoint ---------------------------------
+
+def _killed_while_writing(rank, world_size, args, victim):
+    """train.main on this rank, but rank `victim` dies (os._exit) inside its checkpoint file:
+    the file is open for writing and holds a few bytes, as a SIGKILL or a lost node leaves it."""
+    import torch.distributed.checkpoint.filesystem as fs
+    real = fs._write_item
+
+    def write_then_die(transforms, stream, *rest):
+        if rank == victim:
+            stream.write(b"half a tensor")
+            stream.flush()
+            os._exit(9)
+        return real(transforms, stream, *rest)
+    fs._write_item = write_then_die
+    return train._on_rank(rank, world_size, args)
+
+
+@pytest.mark.parametrize("steps", [2, 4], ids=["the same step again", "the next step"])
+def test_a_save_killed_inside_the_write_leaves_the_previous_checkpoint_whole(
+        uninterrupted, tmp_path, steps):
+    """A re-run that saves the step `latest` already points at (a requeued job, a resume with
+    --steps <= the saved step) must not rewrite the only good checkpoint in place; nor may the
+    save of a later step touch it."""
+    import distlab
+    layout = ["--dp", 1, "--pp", 1, "--tp", 2, "--ckpt", tmp_path]
+    good = run_here(*layout, "--stop-after", 1)              # saves step 2
+    assert good["meta"]["step"] == 2
+    # resumes at step 2, trains up to `steps` and saves it: rank 1 dies inside that save
+    args = train.parse(COMMON + [str(o) for o in layout] + ["--steps", str(steps)])
+    with pytest.raises(distlab.RankFailed, match="rank 1"):
+        distlab.run(_killed_while_writing, 2, args, 1, init=False, timeout=60, threads=1)
+    after = checkpoint.read(str(tmp_path))                   # still the good one, whole
+    assert after["meta"] == good["meta"]
+    for part in ("model", "optim"):
+        for name, value in good[part].items():
+            assert torch.equal(after[part][name], value), f"{part}.{name}"
+    # ... and the run resumes from it exactly; the next good save removes the half-written one.
+    resumed = run_here(*layout)
+    assert resumed["meta"]["losses"] == uninterrupted["meta"]["losses"]
+    assert sorted(os.listdir(tmp_path)) == ["latest", checkpoint.latest(str(tmp_path)).rpartition("/")[2]]

@@ -20,12 +20,16 @@ only its own shard (DTensor), writes 1/tp as much per rank but ties the files to
 stacks q, k and v; full tensors per stage keep the format the dense model's, for 1/pp of the
 model in memory per rank at save time.
 
-Each save goes to <folder>/step-<n>; only when every rank has finished does rank 0 point
-<folder>/latest at it (write, then atomic rename). A run killed in the middle of a save resumes
+Each save goes to a folder NO save has used before: <folder>/step-<n>, or step-<n>.1, .2, ...
+when that name is taken (a re-run saving the step `latest` already points at must not rewrite
+the files of the only good checkpoint in place). Only when every rank has finished writing does
+rank 0 point <folder>/latest at it (write a small file, then atomic rename), and only then are
+the older and the unfinished step folders removed. A run killed in the middle of a save resumes
 from the previous checkpoint, never from half of one.
 """
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -56,7 +60,8 @@ def _dense(stage, mesh, local):
 
 
 def save(folder, step, stage, mesh, optimizer=None, meta=None):
-    """Collective: write this run's state at `step` to <folder>/step-<step>, then point latest at it."""
+    """Collective: write this run's state at `step` to a new <folder>/step-<step>[.k], then point
+    latest at it and remove the older step folders; returns its path."""
     state = {f"model.{k}": v for k, v in _dense(stage, mesh, dict(stage.named_parameters())).items()}
     if optimizer is not None:
         for which in ("exp_avg", "exp_avg_sq"):
@@ -65,18 +70,53 @@ def save(folder, step, stage, mesh, optimizer=None, meta=None):
         state["optim.step"] = torch.tensor(optimizer.steps)
     state[f"rng.{dist.get_rank()}"] = torch.get_rng_state()
     state["meta"] = json.dumps(dict(meta or {}, step=step))
-    name = f"step-{step:06d}"
+    name = _fresh_name(folder, step)
     dcp.save(state, checkpoint_id=os.path.join(folder, name))
     dist.barrier()                              # every rank's file is whole ...
     if dist.get_rank() == 0:                    # ... before the checkpoint counts
-        previous = latest(folder)
-        with open(os.path.join(folder, "latest.tmp"), "w") as f:
-            f.write(name)
-        os.replace(os.path.join(folder, "latest.tmp"), os.path.join(folder, "latest"))
-        if previous and os.path.basename(previous) != name:
-            shutil.rmtree(previous, ignore_errors=True)        # keep the newest only
+        _point_latest_at(folder, name)
+        for old in os.listdir(folder):          # the newest complete checkpoint is enough
+            if _STEP_FOLDER.fullmatch(old) and old != name:
+                shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
     dist.barrier()
     return os.path.join(folder, name)
+
+
+# The folders save() writes; nothing else in the folder is ever removed.
+_STEP_FOLDER = re.compile(r"step-\d{6,}(\.\d+)?")
+
+
+def _fresh_name(folder, step):
+    """Collective: a step folder name no save used before, the same on every rank.
+
+    Rank 0 chooses (the ranks of a multi-node job may see the shared folder a little apart) and
+    sends the number: 0 for step-<n>, k for step-<n>.k.
+    """
+    def name(k):
+        return f"step-{step:06d}" + (f".{k}" if k else "")
+    k = 0
+    if dist.get_rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+        while os.path.exists(os.path.join(folder, name(k))):
+            k += 1
+    chosen = torch.tensor([k])
+    dist.broadcast(chosen, 0)                   # a CPU tensor: gloo, also beside nccl
+    return name(int(chosen))
+
+
+def _point_latest_at(folder, name):
+    """Make <folder>/latest name `name`, atomically: a crash leaves the old pointer or the new."""
+    tmp = os.path.join(folder, "latest.tmp")
+    with open(tmp, "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())                    # the new name is on disk before it counts
+    os.replace(tmp, os.path.join(folder, "latest"))
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)                            # ... and so is the rename
+    finally:
+        os.close(fd)
 
 
 def mismatch(path, dense_model, optimizer=None):
