@@ -17,7 +17,10 @@ The ring's bytes tend to 2S as N grows: adding ranks barely slows it, which is w
 parallelism scales. The naive root's bytes grow with N. The tree wins on latency (log N rounds)
 and loses on bandwidth (whole tensor each round), so it suits small messages.
 
-`fit` finds α and β from measured times; `PRESETS` holds rough links for planning.
+`fit` finds α and β from measured times; `read_nccl_tests` reads an nccl-tests log (your
+cluster's `all_reduce_perf` output) into measurements, `nccl_tests_cluster` turns it into a
+cluster to emulate with, and `busbw_table` sets your busbw beside what the platform should reach.
+`PRESETS` holds rough links for planning; distlab.hardware holds calibrated ones.
 """
 import math
 import statistics
@@ -34,6 +37,18 @@ class Link:
     alpha: float
     bandwidth: float
     name: str = ""
+
+    def __post_init__(self):
+        # a fit can find no time per byte at all (B = inf); anything else must be a real rate
+        for field_name, value, zero_ok in (("alpha", self.alpha, True),
+                                           ("bandwidth", self.bandwidth, False)):
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and not math.isnan(value) and value >= 0 and (zero_ok or value > 0)
+                  and (field_name == "bandwidth" or math.isfinite(value)))
+            if not ok:
+                need = "a finite number >= 0" if zero_ok else "a number > 0"
+                raise ValueError(f"Link {self.name!r}: {field_name} must be {need}; "
+                                 f"got {value!r}.")
 
     @property
     def beta(self):
@@ -84,8 +99,13 @@ def terms(collective, nbytes, world_size):
 
 
 def predict(collective, nbytes, world_size, link):
-    """Modelled seconds for `collective` of `nbytes` bytes on `world_size` ranks over `link`."""
+    """Modelled seconds for `collective` of `nbytes` bytes on `world_size` ranks over `link`:
+    messages·α + bytes·β on an α-β Link; a calibrated distlab.hardware.Link charges its own
+    model (latency floor, per-step cost, achieved bus bandwidth), except for the naive
+    all-reduce, which no library runs: that one is charged α-β with the link's message cost."""
     messages, volume = terms(collective, nbytes, world_size)
+    if hasattr(link, "seconds") and collective != "naive_all_reduce":
+        return link.seconds(collective, nbytes, world_size)
     return messages * link.alpha + volume * link.beta
 
 
@@ -99,20 +119,28 @@ def bus_bandwidth(collective, nbytes, world_size, seconds):
     return terms(collective, nbytes, world_size)[1] / seconds
 
 
-def fit(measurements, name="fitted"):
+def fit(measurements, name="fitted", latency="per-message"):
     """The Link that best explains `measurements`: [(collective, nbytes, world_size, seconds)].
 
     Least squares on the relative error: times span several orders of magnitude, and absolute
     errors would let the largest message decide everything (and α come out as noise). α and B
     are kept non-negative: a model with negative latency explains nothing.
+
+    latency="per-message" fits time = messages·α + bytes/B (the α-β model: our own rings, built
+    from messages); latency="floor" fits time = α + bytes/B, one latency per call whatever the
+    number of ranks — what NCCL's collectives look like (nccl-tests logs, `read_nccl_tests`).
     """
+    if latency not in ("per-message", "floor"):
+        raise ValueError(f"latency must be 'per-message' or 'floor'; got {latency!r}.")
     rows, times = [], []
     for collective, nbytes, world_size, seconds in measurements:
         m, b = terms(collective, nbytes, world_size)
-        if seconds <= 0:
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds)) or seconds <= 0:
             raise ValueError(f"measured times must be positive; got {seconds} s.")
         if m == 0 and b == 0:
             continue  # one rank communicates nothing: it says nothing about the link
+        if latency == "floor":
+            m = 1
         rows.append((m / seconds, b / seconds))
         times.append(1.0)
     if len(rows) < 2:

@@ -36,50 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
+from . import hardware
 from .cost import TERMS, Link
+from .hardware import Cluster, Device   # noqa: F401  (distlab.emulate.Cluster / Device stay public)
 
 
-@dataclass(frozen=True)
-class Device:
-    """An accelerator: peak FLOP/s per dtype and memory bandwidth (bytes/s)."""
-    name: str
-    flops: dict
-    memory_bandwidth: float
-
-    def peak(self, dtype):
-        return self.flops.get(dtype, self.flops[torch.float32])
-
-    def seconds(self, flops, nbytes, dtype):
-        """Roofline time of one operation: bound by arithmetic or by memory traffic."""
-        return max(flops / self.peak(dtype), nbytes / self.memory_bandwidth)
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """Devices and links: `intra` joins ranks of one node, `inter` joins nodes."""
-    name: str
-    device: Device
-    intra: Link
-    inter: Link = None
-    ranks_per_node: int = 8
-    source: str = ""
-
-    def link_between(self, ranks):
-        """The slowest link a set of global ranks communicates over."""
-        if self.inter is None or len({r // self.ranks_per_node for r in ranks}) <= 1:
-            return self.intra
-        return self.inter
-
-    def __str__(self):
-        links = f"{self.intra}"
-        if self.inter is not None:
-            per_node = f"{self.ranks_per_node} rank{'s' if self.ranks_per_node > 1 else ''}"
-            links = f"{per_node} per node; {self.intra}; {self.inter}"
-        return f"{self.name} ({self.device.name}; {links})"
-
-
-# Datasheet peaks (dense, no sparsity) and nominal per-direction link rates: what the hardware
-# can do at best. Real training reaches a fraction of them; the course uses them as a model.
+# The legacy presets: datasheet peaks (dense, no sparsity) and nominal per-direction link rates
+# on the α-β model, as the course shipped them. The calibrated clusters (achieved rates, launch
+# floor, NCCL's latency model, one ring per NIC) are in distlab.hardware and listed here too
+# (CALIBRATED); `hardware.DATASHEET` holds those clusters at their datasheet rates.
 _F32, _BF16, _F16, _F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 A100 = Device("NVIDIA A100 SXM 80GB", {_F32: 19.5e12, _BF16: 312e12, _F16: 312e12, _F64: 9.7e12},
               2.0e12)
@@ -93,40 +58,49 @@ PRESETS = {
     "a100-nvlink": Cluster(
         "A100 node", A100, NVLINK3, None, 8,
         "NVIDIA A100 datasheet: 19.5 TFLOP/s FP32, 312 TFLOP/s BF16, 2.0 TB/s HBM2e; "
-        "NVLink 3: 600 GB/s per GPU both directions together (300 GB/s each way)."),
+        "NVLink 3: 600 GB/s per GPU both directions together (300 GB/s each way).", nodes=1),
     "h100-nvlink": Cluster(
         "H100 node", H100, NVLINK4, None, 8,
         "NVIDIA H100 SXM datasheet: 67 TFLOP/s FP32, 989 TFLOP/s BF16 dense, 3.35 TB/s HBM3; "
-        "NVLink 4: 900 GB/s per GPU both directions together (450 GB/s each way)."),
+        "NVLink 4: 900 GB/s per GPU both directions together (450 GB/s each way).", nodes=1),
     "h100-ib": Cluster(
         "H100s, one per node, over InfiniBand", H100, NVLINK4, IB_NDR, 1,
         "as h100-nvlink, with every rank on its own node: one 400 Gb/s NDR port (50 GB/s) per GPU."),
     "h100-2nodes": Cluster(
         "two H100 nodes", H100, NVLINK4, IB_NDR, 4,
-        "as h100-nvlink inside a node; nodes of 4 ranks joined by 400 Gb/s InfiniBand NDR."),
+        "as h100-nvlink inside a node; nodes of 4 ranks joined by 400 Gb/s InfiniBand NDR.",
+        nodes=2),
     "a100-ethernet": Cluster(
         "A100s, one per node, over 100 Gb Ethernet", A100, NVLINK3, ETH_100G, 1,
         "as a100-nvlink, with every rank on its own node behind one 100 Gb/s Ethernet port."),
 }
+CALIBRATED = dict(hardware.PRESETS)
+PRESETS.update(CALIBRATED)
+PRESETS.update(hardware.DATASHEET)
 
 
-def resolve(emulate):
-    """A Cluster from what a learner passes: a preset name, a Cluster, or None/False."""
+def resolve(emulate, world_size=None):
+    """A Cluster from what a learner passes: a preset name, a Cluster, or None/False; with
+    `world_size`, refuses more ranks than the cluster has GPUs."""
     if emulate is None or emulate is False:
         return None
     if isinstance(emulate, Cluster):
-        return emulate
-    if isinstance(emulate, str) and emulate in PRESETS:
-        return PRESETS[emulate]
-    raise ValueError(
-        f"emulate must be the name of a preset ({', '.join(sorted(PRESETS))}) or a "
-        f"distlab.emulate.Cluster; got {emulate!r}.")
+        cluster = emulate
+    elif isinstance(emulate, str) and emulate in PRESETS:
+        cluster = PRESETS[emulate]
+    else:
+        raise ValueError(
+            f"emulate must be the name of a preset ({', '.join(sorted(PRESETS))}) or a "
+            f"distlab.emulate.Cluster; got {emulate!r}.")
+    if world_size is not None:
+        cluster.check_world_size(world_size)
+    return cluster
 
 
 # ---- the cost of one communication on the modeled link --------------------------------------------
 
-# Which α-β term of distlab.cost models each collective (the algorithms NCCL uses for large
-# messages: rings, and a binomial tree for one-to-all / all-to-one).
+# Which α-β term of distlab.cost models each collective on an α-β link (the algorithms NCCL uses
+# for large messages: rings, and a binomial tree for one-to-all / all-to-one).
 _MODEL = {"all_reduce": "ring_all_reduce", "all_gather": "ring_all_gather",
           "reduce_scatter": "ring_reduce_scatter", "broadcast": "tree_broadcast",
           "reduce": "tree_broadcast", "all_to_all": "all_to_all", "gather": "ring_all_gather",
@@ -134,7 +108,10 @@ _MODEL = {"all_reduce": "ring_all_reduce", "all_gather": "ring_all_gather",
 
 
 def comm_seconds(op, nbytes, world_size, link):
-    """Modeled seconds of `op` moving `nbytes` (the full tensor for gathers and scatters)."""
+    """Modeled seconds of `op` moving `nbytes` (the full tensor for gathers and scatters): the
+    calibrated link's own model (distlab.hardware.Link), or α-β on a distlab.cost.Link."""
+    if hasattr(link, "seconds"):
+        return link.seconds(op, nbytes, world_size)
     if world_size <= 1 and op != "send":
         return 0.0
     messages, volume = TERMS[_MODEL[op]](nbytes, world_size)

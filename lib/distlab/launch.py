@@ -50,7 +50,7 @@ def run(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, backend=None, init=True,
     world_size, timeout, threads, init, trace, env = _check_arguments(
         fn, world_size, timeout, backend, init, threads, env, trace)
     from .emulate import resolve
-    cluster = resolve(emulate)
+    cluster = resolve(emulate, world_size)
     if cluster is not None and not init:
         raise ValueError("emulate= needs init=True: the emulated clocks are set up together with "
                          "the process group.")

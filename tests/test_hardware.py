@@ -1,0 +1,121 @@
+"""The calibrated hardware model: its curves and floors, its refusals, and that the emulator and
+the cost model charge it the same way."""
+import math
+
+import pytest
+import torch
+
+import distlab
+from distlab import cost, emulate, hardware
+from distlab.hardware import A100, H100, H200, Cluster, Device, Link
+
+H100_NODE = hardware.PRESETS["h100-node"]
+
+
+def test_a_big_gemm_reaches_the_measured_best_and_a_small_one_far_less():
+    big = H100.gemm_efficiency(8192, 8192, 8192)
+    assert 0.75 < big <= H100.gemm_best == pytest.approx(794.5 / 989)
+    assert H100.gemm_efficiency(256, 256, 256) < 0.4 * big
+    # the emulator recovers the same efficiency from an op's FLOPs and bytes alone
+    m, n, k = 2048, 1024, 4096
+    t = H100.gemm_seconds(m, n, k)
+    assert t == pytest.approx(2 * m * n * k / (989e12 * H100.gemm_efficiency(m, n, k)))
+
+
+def test_an_eager_op_costs_at_least_the_launch_floor_and_graphs_less():
+    assert H100.seconds(0, 8, torch.float32) == H100.launch_floor == pytest.approx(10e-6)
+    assert H100.with_mode("graphs").seconds(0, 8, torch.float32) == H100.graph_floor
+    big_copy = 4e9
+    assert H100.seconds(0, big_copy, torch.float32) == pytest.approx(big_copy / (0.9 * 3.35e12))
+    assert H100.ideal().seconds(0, 8, torch.float32) == pytest.approx(8 / 3.35e12)
+    assert H200.memory_bandwidth > H100.memory_bandwidth
+
+
+def test_small_collectives_cost_a_near_flat_floor_and_big_ones_the_achieved_busbw():
+    link = H100_NODE.intra
+    small = [link.seconds("all_reduce", 8, n) for n in (2, 4, 8)]
+    assert 7e-6 < small[0] < small[-1] < 16e-6            # ~10-15 µs, not 2(N-1)·α
+    big = 8 << 30
+    busbw = cost.bus_bandwidth("ring_all_reduce", big, 8, link.seconds("all_reduce", big, 8))
+    assert busbw == pytest.approx(480e9, rel=0.01)        # NVLS
+    gather = cost.bus_bandwidth("ring_all_gather", big, 8, link.seconds("all_gather", big, 8))
+    assert gather == pytest.approx(370e9, rel=0.01)       # ring
+    a100 = hardware.PRESETS["a100-node"].intra
+    assert cost.bus_bandwidth("ring_all_reduce", big, 8,
+                              a100.seconds("all_reduce", big, 8)) == pytest.approx(230e9, rel=0.01)
+
+
+def test_a_cross_node_group_uses_every_nic_of_its_nodes():
+    two = hardware.PRESETS["a100-2x8"]
+    everyone = two.link_between(range(16))
+    assert everyone.bandwidth == pytest.approx(min(230e9, 8 * 24e9))      # 192 GB/s
+    one_per_node = two.link_between([0, 8])
+    assert one_per_node.bandwidth == pytest.approx(24e9)
+    four_per_node = two.link_between([0, 1, 2, 3, 8, 9, 10, 11])
+    assert four_per_node.bandwidth == pytest.approx(4 * 24e9)
+    assert two.link_between(range(8)) is two.intra
+    small = everyone.seconds("all_reduce", 8, 16)
+    assert 20e-6 < small < 30e-6                          # ~25 µs across two nodes
+
+
+def test_the_datasheet_variant_shows_the_gap():
+    ideal = hardware.DATASHEET["h100-node-datasheet"]
+    assert ideal.device.seconds(2 * 8192 ** 3, 3 * 2 * 8192 ** 2, torch.bfloat16) \
+        == pytest.approx(2 * 8192 ** 3 / 989e12)
+    assert ideal.intra.bandwidth == 450e9
+    assert emulate.PRESETS["h100-node-datasheet"] is ideal
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: Link("x", float("nan")), "bandwidth must be a finite number > 0"),
+    (lambda: Link("x", 1e9, latency=-1e-6), "latency must be a finite number >= 0"),
+    (lambda: Link("x", 0.0), "bandwidth"),
+    (lambda: cost.Link(float("nan"), 1e9), "alpha"),
+    (lambda: cost.Link(1e-6, -5.0), "bandwidth"),
+    (lambda: cost.Link(1e-6, 0), "bandwidth"),
+    (lambda: Device("d", {torch.float32: 0.0}, 1e12), "flops"),
+    (lambda: Device("d", {torch.float32: 1e12}, float("nan")), "memory_bandwidth"),
+    (lambda: Device("d", {torch.float32: 1e12}, 1e12, launch_floor=-1), "launch_floor"),
+    (lambda: Device("d", {torch.float32: 1e12}, 1e12, mode="fast"), "mode"),
+    (lambda: Cluster("c", A100, hardware.NVLINK3, ranks_per_node=0), "ranks_per_node"),
+    (lambda: Cluster("c", "A100", hardware.NVLINK3), "device"),
+])
+def test_bad_numbers_are_refused_in_one_sentence(make, words):
+    with pytest.raises(ValueError, match=words) as info:
+        make()
+    assert "\n" not in str(info.value)
+
+
+def _nothing(rank, world_size):
+    return rank
+
+
+def test_more_ranks_than_the_emulated_cluster_has_are_refused():
+    with pytest.raises(ValueError, match="has 8 GPUs") as info:
+        distlab.run(_nothing, 9, emulate="a100-nvlink")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="has 16 GPUs"):
+        emulate.resolve("h100-2x8", world_size=17)
+    assert emulate.resolve("h100-cluster", world_size=1024).nodes is None
+    assert emulate.resolve("h100-ib", world_size=64) is emulate.PRESETS["h100-ib"]
+
+
+def test_the_emulator_and_the_cost_model_charge_a_calibrated_link_alike():
+    link = H100_NODE.intra
+    for op, term in (("all_reduce", "ring_all_reduce"), ("all_gather", "ring_all_gather")):
+        assert emulate.comm_seconds(op, 1 << 20, 4, link) == cost.predict(term, 1 << 20, 4, link)
+    assert emulate.comm_seconds("send", 4000, 2, link) == pytest.approx(
+        link.alpha + 4000 / link.bandwidth)
+    # the legacy α-β presets are unchanged
+    legacy = emulate.PRESETS["a100-nvlink"].intra
+    assert emulate.comm_seconds("all_reduce", 4000, 4, legacy) == pytest.approx(
+        6 * 3e-6 + 1.5 * 4000 / 300e9)
+
+
+def test_a_transformer_step_is_priced_from_its_parts():
+    llama7b = hardware.Transformer(32, 4096, 32, 11008, 32000, glu=True)
+    assert llama7b.params() == pytest.approx(6.74e9, rel=0.01)
+    parts = hardware.step_seconds(llama7b, hardware.PRESETS["h100-cluster"], 64, 256, 4096,
+                                  tp=2, pp=2)
+    assert parts["step"] > parts["compute"] > 0 and parts["bubble"] > 0 and parts["tp"] > 0
+    assert math.isfinite(parts["dp"]) and parts["dp_size"] == 16
