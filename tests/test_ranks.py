@@ -206,3 +206,22 @@ def test_what_a_dead_rank_started_is_stopped_with_the_ranks(pool, grandchildren)
                       "if rank == 1:\n    os._exit(3)\ndist.barrier()", timeout=5)
     assert pool.broken == "rank 1 died" and len(grandchild_pids(grandchildren)) == 4
     assert wait_gone(grandchild_pids(grandchildren), seconds=5) == []
+
+
+def test_a_pool_stopped_by_hand_is_replaced_cleanly(shell, capsys):
+    # distlab.ranks.pool().stop() closes the processes: neither the next cell nor %ranks stop
+    # may trip over them ("process object is closed").
+    assert cell(shell, "2", "x = 1") is None
+    pids = distlab.ranks.pool().pids
+    distlab.ranks.pool().stop()
+    assert wait_gone(pids) == []
+    assert cell(shell, "2", "'x' in globals()") is None
+    out = capsys.readouterr().out
+    assert "the previous ones were stopped, and their variables" in out
+    assert out.endswith("[rank 1] False\n")
+    distlab.ranks.pool().stop()
+    distlab.ranks.pool().stop()                         # twice is harmless
+    shell.run_line_magic("ranks", "stop")
+    assert "no ranks were running" in capsys.readouterr().out
+    assert cell(shell, "2", "rank") is None
+    assert capsys.readouterr().out.endswith("[rank 0] 0\n[rank 1] 1\n")

@@ -355,7 +355,7 @@ class Launch:
         for r in self.ranks:
             if r.pid is None or r.stopped:
                 continue
-            if r.exitcode is None:
+            if r.exitcode is None and r.process is not None:
                 try:
                     r.process.kill()      # also a rank killed before it could lead a session
                 except (OSError, ValueError):
@@ -363,12 +363,9 @@ class Launch:
         for r in self.ranks:
             if r.pid is None or r.stopped:
                 continue
-            if r.exitcode is None:
-                try:
-                    r.process.join(5)
-                    r.exitcode = r.process.exitcode
-                except ValueError:        # closed by _close_fds: it had ended
-                    pass
+            if r.exitcode is None and r.process is not None:
+                r.process.join(5)
+                r.exitcode = r.process.exitcode
             # Done once: much later its pid may name someone else's group.
             r.stopped = r.exitcode is not None
         self._drain_pipes()
@@ -392,7 +389,8 @@ class Launch:
             if r.process is not None and r.pid is not None:
                 try:
                     r.process.close()
-                except ValueError:
+                    r.process = None      # closed: nothing may ask it anything again
+                except ValueError:        # still running (it would not die): keep asking it
                     pass
 
     def _print_output(self, stream=None):

@@ -55,6 +55,7 @@ from .launch import DEFAULT_TIMEOUT, _check_arguments, choose_backend
 __all__ = ["Pool", "load_ipython_extension", "pool"]
 
 INTERRUPT_S = 1.2   # how long interrupted ranks get to stop in Python before they are killed
+STOPPED = "they were stopped"   # why a Pool is broken after stop()
 
 
 class Pool(Launch):
@@ -74,6 +75,7 @@ class Pool(Launch):
         self.cells = 0
         self.trace = None            # the last emulated cell's distlab.trace.Trace
         self._interrupting = False
+        self._stopped = False
         self._folder = tempfile.TemporaryDirectory(prefix="distlab-ranks-")
         self._store = parent_store(world_size, None)
         ctx = _get_context()
@@ -114,7 +116,11 @@ class Pool(Launch):
         return [r.result for r in self.ranks]
 
     def stop(self):
-        """Kill every rank (and whatever it started) and let go of the rendezvous store."""
+        """Kill every rank (and whatever it started) and let go of the rendezvous store. Once
+        stopped, a Pool stays stopped: stopping it again does nothing, and %%ranks starts a new one."""
+        if self._stopped:
+            return
+        self._stopped = True
         self._stop_all()
         for r in self.ranks:
             if getattr(r, "cmd", None) is not None:
@@ -123,7 +129,7 @@ class Pool(Launch):
         self._close_fds()
         self._store = None
         self._folder.cleanup()
-        self.broken = self.broken or "they were stopped"
+        self.broken = self.broken or STOPPED
 
     # ---- one command on every rank, watched like a launch ---------------------------------------
     def _send(self, command, timeout):
@@ -267,6 +273,9 @@ def _get_pool(world_size):
         if old.world_size != world_size:
             print(f"(restarting: {world_size} ranks instead of {old.world_size}; the variables of "
                   f"the old ranks are gone)")
+        elif old.broken == STOPPED:
+            print(f"(starting {world_size} new ranks: the previous ones were stopped, and their "
+                  f"variables with them)")
         else:
             print(f"(starting {world_size} new ranks: the previous ones were stopped because "
                   f"{old.broken})")
