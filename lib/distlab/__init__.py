@@ -9,11 +9,11 @@ from .launch import (DEFAULT_TIMEOUT, RankFailed, Results, RunTimeout, choose_ba
                      run)
 from . import emulate, trace  # noqa: F401  (distlab.trace.now() etc. inside ranks)
 from .progress import progress
-from .show import show_source
+from .show import agreement, show_source
 from .ranks import load_ipython_extension, register_if_in_ipython as _register_magic
 
 _register_magic()   # `import distlab` in a notebook makes %%ranks available
 
-__all__ = ["run", "device", "choose_backend", "progress", "show_source", "RankFailed",
+__all__ = ["run", "device", "choose_backend", "progress", "show_source", "agreement", "RankFailed",
            "RunTimeout", "Results", "DEFAULT_TIMEOUT"]
 __version__ = "0.1.0"

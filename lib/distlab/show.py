@@ -34,3 +34,16 @@ def _location(obj):
         return ""
     name = getattr(obj, "__qualname__", None)
     return f"{module.__name__}.{name}" if name and not inspect.ismodule(obj) else module.__name__
+
+
+def agreement(difference, tolerance):
+    """'within 1e-12: True' when `difference` is at most `tolerance`, else 'NOT within 1e-12
+    (differs by 3.1e-01)'. Equality is printed as a verdict against a stated tolerance, never as
+    the round-off digits of the difference: another CPU, BLAS or thread count prints other digits,
+    and stored notebook outputs must read the same on every machine."""
+    difference, tolerance = float(difference), float(tolerance)
+    if not tolerance > 0:
+        raise ValueError(f"agreement needs a positive tolerance; got {tolerance!r}.")
+    if difference <= tolerance:
+        return f"within {tolerance:.0e}: True"
+    return f"NOT within {tolerance:.0e} (differs by {difference:.1e})"
