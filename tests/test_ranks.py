@@ -225,3 +225,13 @@ def test_a_pool_stopped_by_hand_is_replaced_cleanly(shell, capsys):
     assert "no ranks were running" in capsys.readouterr().out
     assert cell(shell, "2", "rank") is None
     assert capsys.readouterr().out.endswith("[rank 0] 0\n[rank 1] 1\n")
+
+
+def test_a_bad_emulate_name_is_refused_before_the_running_ranks_are_touched(shell, capsys):
+    assert cell(shell, "2", "kept = rank + 1") is None
+    pids = distlab.ranks.pool().pids
+    with pytest.raises(ValueError, match="emulate must be the name of a preset"):
+        shell.run_cell_magic("ranks", "3 --emulate a_laptop", "pass")   # 3: would restart them
+    assert distlab.ranks.pool().pids == pids and not distlab.ranks.pool().broken
+    assert shell.run_line_magic("ranks", "pull kept") == [1, 2]
+    assert "restarting" not in capsys.readouterr().out

@@ -95,7 +95,8 @@ class Pool(Launch):
 
     # ---- the cells --------------------------------------------------------------------------
     def run_cell(self, source, timeout=DEFAULT_TIMEOUT, filename="<ranks cell>", emulate=None):
-        """Run `source` on every rank; print their output in rank order; raise on a failure."""
+        """Run `source` on every rank; print their output in rank order; raise on a failure.
+        emulate: a preset name or a distlab.emulate.Cluster (see distlab.run)."""
         __tracebackhide__ = True
         from .emulate import resolve
         cluster = resolve(emulate)
@@ -320,14 +321,16 @@ def ranks(line, cell=None):
         raise ValueError(f"%ranks takes `stop` or `pull NAME`; got {line!r}. To run code on "
                          f"ranks, start a cell with %%ranks 4.")
     args = _cell_arguments(line)
-    # Refuse bad values before the running ranks are touched.
+    # Refuse bad values before the running ranks are touched (another size would restart them).
     world_size, timeout = _check_arguments(print, args.world_size, args.timeout, None, True, None,
                                            None, False)[:2]
+    from .emulate import resolve
+    cluster = resolve(args.emulate)
     filename = "<ranks cell>"
     shell = _shell()
     if shell is not None:
         filename = shell.compile.cache(cell, shell.execution_count)
-    _get_pool(world_size).run_cell(cell, timeout, filename, args.emulate)
+    _get_pool(world_size).run_cell(cell, timeout, filename, cluster)
 
 
 def _shell():
