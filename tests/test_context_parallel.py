@@ -55,7 +55,10 @@ def test_ring_attention_only_talks_to_its_neighbours(world_size):
     t = distlab.run(_ring_trace, world_size, trace=True).trace
     for rank in range(world_size):
         assert {peer for peer, _ in t.sends(rank)} == {(rank + 1) % world_size}
-        assert set(t.ops(rank)) == {"send", "recv"}
+        # K/V move only as messages to the neighbour; one all-gather of the block lengths (one
+        # integer per rank) sizes the receive buffers, since blocks may differ in length
+        assert sorted(set(t.ops(rank))) == ["all_gather", "recv", "send"]
+        assert t.ops(rank).count("all_gather") == 1
         # forward: 3 tensors x (N-1) hops; backward: 5 x (N-1) hops + 2 to bring dK, dV home
         assert len(t.sends(rank)) == 3 * (world_size - 1) + 5 * (world_size - 1) + 2
 
@@ -83,3 +86,28 @@ def test_merging_two_halves_is_attention_over_both():
     out, _ = cp.merge(*a, *b)
     full, _ = cp.block_attention(q, k, v, pos, pos, True, 0.5)
     torch.testing.assert_close(out, full, rtol=1e-13, atol=1e-13)
+
+
+def _uneven(rank, world_size, seq_len, causal, kind):
+    """Blocks of unequal length, as tensor_split cuts 7 tokens for 3 ranks: 3, 2, 2."""
+    positions = torch.arange(seq_len).tensor_split(world_size)[rank]
+    q, k, v = [t[:, :, positions].clone().requires_grad_() for t in _inputs(seq_len)]
+    attend = cp.ring_attention if kind == "ring" else cp.all_gather_attention
+    out = attend(q, k, v, positions, causal=causal)
+    weights = torch.linspace(-1, 1, B * H * seq_len * D, dtype=torch.float64).view(B, H, seq_len, D)
+    (out * weights[:, :, positions]).sum().backward()
+    return positions, out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("kind,world_size,seq_len,causal", [
+    ("ring", 3, 7, True), ("ring", 3, 7, False), ("ring", 4, 10, True), ("ring", 2, 5, True),
+    ("ring", 3, 2, True),                                   # a rank with no token at all
+    ("all_gather", 3, 7, True), ("all_gather", 4, 10, False)])
+def test_blocks_of_unequal_length_equal_dense_attention(kind, world_size, seq_len, causal):
+    expected = _dense(seq_len, causal)
+    results = distlab.run(_uneven, world_size, seq_len, causal, kind, timeout=30)
+    assert len({len(positions) for positions, *_ in results}) == 2      # unequal blocks
+    for positions, *got in results:
+        for name, g, e in zip(("output", "dq", "dk", "dv"), got, expected):
+            torch.testing.assert_close(g, e[:, :, positions], rtol=1e-12, atol=1e-12,
+                                       msg=lambda m: f"{name}: {m}")
