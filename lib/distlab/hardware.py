@@ -417,7 +417,8 @@ class Cluster:
         links = f"{self.intra}"
         if self.inter is not None:
             per_node = f"{self.ranks_per_node} rank{'s' if self.ranks_per_node > 1 else ''}"
-            nics = f", {self.nics_per_node} NICs" if self.nics_per_node else ""
+            n = self.nics_per_node
+            nics = f", {n} NIC{'s' if n > 1 else ''}" if n else ""
             links = f"{per_node}{nics} per node; {self.intra}; {self.inter}"
         return f"{self.name} ({self.device.name}; {links})"
 
