@@ -162,6 +162,32 @@ class Trace:
             out[e["op"]] += 1
         return dict(out)
 
+    def overlap(self, rank):
+        """How much of the rank's communication its compute hid, with the definitions of
+        Holistic Trace Analysis (HTA, get_comm_comp_overlap / get_temporal_breakdown), so the
+        numbers compare with HTA's on a GPU job: seconds of `comm` (the union of transfers in
+        flight), `overlapped` (of those, while compute ran), `exposed` (comm - overlapped),
+        `ratio` (overlapped / comm; None without comm), and `idle` (neither compute, nor
+        communication, nor a copy, between the first and the last of them)."""
+        r = self._ranks[rank]
+        comm = [(e["start"], e["end"]) for e in r["events"]
+                if e["start"] is not None and e["end"] is not None]
+        compute = [(s["start"], s["end"]) for s in r["spans"]]
+        busy = comm + compute + [tuple(m) for m in r.get("memory", ())]
+        in_flight, hidden = _union(comm), _intersection(comm, compute)
+        window = max(b for _, b in busy) - min(a for a, _ in busy) if busy else 0.0
+        return dict(comm=in_flight, overlapped=hidden, exposed=in_flight - hidden,
+                    ratio=hidden / in_flight if in_flight > 0 else None,
+                    idle=window - _union(busy))
+
+    def to_chrome(self, path):
+        """Write the run in the Chrome trace event format, for https://ui.perfetto.dev or
+        chrome://tracing (see distlab.chrome_trace); returns the path."""
+        from .chrome_trace import to_chrome
+        return to_chrome(self, path)
+
+    save = to_chrome
+
     def __repr__(self):
         kind = f"emulated on {self.emulated.name}" if self.emulated is not None else "measured"
         return (f"<Trace of {self.world_size} ranks, {len(self.comm())} communication calls, "
@@ -178,6 +204,28 @@ def _union(intervals):
         elif b > reach:
             total += b - reach
             reach = b
+    return total
+
+
+def _merged(intervals):
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _intersection(xs, ys):
+    """Total length covered by both sets of intervals (each set may overlap itself)."""
+    xs, ys, total, i, j = _merged(xs), _merged(ys), 0.0, 0, 0
+    while i < len(xs) and j < len(ys):
+        total += max(0.0, min(xs[i][1], ys[j][1]) - max(xs[i][0], ys[j][0]))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
     return total
 
 

@@ -1,0 +1,214 @@
+"""Traces leave the course and come back: a run's trace in the Chrome trace event format (for
+Perfetto and chrome://tracing), and torch.profiler traces of a real job read into a Trace.
+
+The export is checked against the format's rules by `check_chrome` below, written from the
+format's documentation (the Trace Event Format, Google), not from the writer. A consumer library
+loads it too where one can run here: the `perfetto` package's trace processor needs its
+`trace_processor_shell` binary, which it downloads at first use (no network in tests: give its
+path in PERFETTO_TRACE_PROCESSOR to run that test). HTA (HolisticTraceAnalysis), when installed,
+checks the import's overlap and idle numbers against its own on a GPU-shaped trace.
+"""
+import json
+import os
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import matplotlib
+import pytest
+import torch
+import torch.distributed as dist
+
+import distlab
+from distlab import collectives
+from distlab.chrome_trace import from_chrome, to_chrome
+
+matplotlib.use("Agg")
+
+# The format: required keys per phase, and the metadata events' argument.
+REQUIRED = {"X": ("name", "ts", "dur", "pid", "tid"), "M": ("name", "pid", "args"),
+            "s": ("name", "cat", "id", "ts", "pid", "tid"),
+            "f": ("name", "cat", "id", "ts", "pid", "tid")}
+METADATA_ARG = dict(process_name="name", process_labels="labels", process_sort_index="sort_index",
+                    thread_name="name", thread_sort_index="sort_index")
+
+
+def check_chrome(doc):
+    """Assert that `doc` follows the Chrome trace event format's rules; returns its events."""
+    assert isinstance(doc, dict) and isinstance(doc["traceEvents"], list)
+    assert doc.get("displayTimeUnit", "ms") in ("ms", "ns")
+    json.dumps(doc, allow_nan=False)               # plain JSON: no NaN or infinity
+    events = doc["traceEvents"]
+    for e in events:
+        assert e["ph"] in REQUIRED, e
+        for key in REQUIRED[e["ph"]]:
+            assert key in e, (key, e)
+        assert isinstance(e["pid"], int) and isinstance(e.get("tid", 0), int)
+        if "ts" in e:
+            assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0, e
+        if e["ph"] == "X":
+            assert isinstance(e["dur"], (int, float)) and e["dur"] >= 0, e
+        if e["ph"] == "M":
+            assert e["name"] in METADATA_ARG and METADATA_ARG[e["name"]] in e["args"], e
+    # pid/tid metadata: every process and every thread with events is named
+    named_pids = {e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    named_tids = {(e["pid"], e["tid"]) for e in events
+                  if e["ph"] == "M" and e["name"] == "thread_name"}
+    used = {(e["pid"], e["tid"]) for e in events if e["ph"] != "M"}
+    assert {p for p, _ in used} <= named_pids
+    assert used <= named_tids
+    # complete events of one thread nest (a viewer draws them as a stack)
+    by_thread = defaultdict(list)
+    for e in events:
+        if e["ph"] == "X":
+            by_thread[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
+    for slices in by_thread.values():
+        open_ = []
+        for a, b in sorted(slices, key=lambda s: (s[0], -s[1])):
+            while open_ and open_[-1] <= a:
+                open_.pop()
+            assert not open_ or b <= open_[-1] + 1e-6, "slices of one thread overlap"
+            open_.append(b)
+    # flows: each id starts once ("s") and ends once ("f"), same cat and name, and each binds to
+    # a slice of its thread ("s" at its ts, "f" with bp="e": the slice enclosing its ts)
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    ends = {e["id"]: e for e in events if e["ph"] == "f"}
+    assert len(starts) == sum(e["ph"] == "s" for e in events)
+    assert set(starts) == set(ends)
+    for fid, s in starts.items():
+        f = ends[fid]
+        assert (s["cat"], s["name"]) == (f["cat"], f["name"]) and f.get("bp") == "e"
+        for point in (s, f):
+            assert any(a <= point["ts"] <= b for a, b in by_thread[(point["pid"], point["tid"])])
+    return events
+
+
+def _slices(events, cat):
+    return [e for e in events if e["ph"] == "X" and e.get("cat") == cat]
+
+
+def _workload(rank, world_size):
+    with distlab.trace.span("forward"):
+        t = torch.arange(11.0) + rank
+        t = t * 2
+    collectives.ring_all_reduce(t)                      # 2(N-1) sends and recvs per rank
+    dist.all_reduce(t)
+    if distlab.trace.emulated() is None:                # two transfers in flight together
+        first = dist.all_reduce(t, async_op=True)
+        second = dist.all_reduce(t.clone(), async_op=True)
+        first.wait()
+        second.wait()
+    return t
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return distlab.run(_workload, 3, trace=True).trace
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    return distlab.run(_workload, 3, trace=True, emulate="h100-nvlink").trace
+
+
+@pytest.mark.parametrize("which", ["measured", "emulated"])
+def test_a_run_exports_to_the_chrome_trace_format(which, request, tmp_path):
+    trace = request.getfixturevalue(which)
+    path = trace.to_chrome(tmp_path / "run.json")
+    events = check_chrome(json.loads(Path(path).read_text()))
+    # one process per rank, named; compute, communication and waiting threads
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert sorted(names) == [0, 1, 2] and all(n.startswith(f"rank {r}") for r, n in names.items())
+    threads = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"compute", "communication", "blocked waiting"} <= threads
+    # every collective and message is one complete slice with its facts as args
+    comm = _slices(events, "comm")
+    assert len(comm) == len(trace.comm())
+    for e in comm:
+        assert {"op", "group", "bytes", "dtype", "waited_us", "launch_us"} <= set(e["args"])
+        assert e["name"] == e["args"]["op"]
+    by_rank_op = Counter((e["pid"], e["name"]) for e in comm)
+    assert by_rank_op == Counter((e["rank"], e["op"]) for e in trace.comm())
+    assert all(e["args"]["bytes"] == 11 * 4 for e in comm if e["name"] == "all_reduce")
+    # spans are named slices
+    assert "forward" in {e["name"] for e in _slices(events, "compute")}
+    # a flow from every send to its recv: 2(N-1) messages per rank
+    flows = [e for e in events if e["ph"] == "s"]
+    assert len(flows) == len(trace.comm(op="send")) == 3 * 4
+    ends = {e["id"]: e for e in events if e["ph"] == "f"}
+    for s in flows:
+        assert ends[s["id"]]["pid"] == (s["pid"] + 1) % 3          # a ring: to the right
+    # µs: the latest slice ends when the slowest rank's last transfer did
+    last = max(e["ts"] + e["dur"] for e in comm)
+    assert last == pytest.approx(max(c["end"] for c in trace.comm()) * 1e6, abs=0.01)
+
+
+def test_an_emulated_run_says_so_and_keeps_its_virtual_times(emulated, tmp_path):
+    doc = json.loads(Path(to_chrome(emulated, tmp_path / "emulated.json")).read_text())
+    events = check_chrome(doc)
+    info = doc["otherData"]["distlab"]
+    assert info["emulated"] is True and info["clock"] == "modeled"
+    assert info["cluster"] == emulated.emulated.name and "modeled" in info["description"]
+    assert all("emulated" in e["args"]["name"] for e in events if e["name"] == "process_name")
+    assert all(e["args"]["clock"] == "modeled" for e in events if e["ph"] == "X")
+    for e, c in zip(sorted(_slices(events, "comm"), key=lambda e: (e["pid"], e["args"]["seq"])),
+                    emulated.comm()):
+        assert e["ts"] == pytest.approx(c["start"] * 1e6, abs=1e-3)        # virtual µs
+        assert e["dur"] == pytest.approx((c["end"] - c["start"]) * 1e6, abs=2e-3)
+    # on one modeled clock a message arrives after it left: every arrow points forward
+    ends = {e["id"]: e for e in events if e["ph"] == "f"}
+    assert all(ends[s["id"]]["ts"] >= s["ts"] for s in events if s["ph"] == "s")
+
+
+@pytest.mark.parametrize("which", ["measured", "emulated"])
+def test_export_round_trips(which, request, tmp_path):
+    trace = request.getfixturevalue(which)
+    back = from_chrome(trace.save(tmp_path / "run.json"))
+    assert back.world_size == trace.world_size
+    assert (back.emulated is None) == (trace.emulated is None)
+    assert back.summary() == trace.summary()
+    for r in range(trace.world_size):
+        for a, b in zip(trace.comm(r), back.comm(r), strict=True):
+            for key in ("op", "group", "peer", "tag", "bytes", "dtype", "async_op", "native"):
+                assert a[key] == b[key], key
+            for key in ("launch", "start", "end", "waited"):
+                assert (a[key] is None) == (b[key] is None)
+                if a[key] is not None:
+                    assert b[key] == pytest.approx(a[key], abs=1e-9)
+        spans = sorted((s["name"], s["start"], s["end"]) for s in trace.compute(r))
+        spans_back = sorted((s["name"], s["start"], s["end"]) for s in back.compute(r))
+        assert [s[0] for s in spans] == [s[0] for s in spans_back]
+        assert all(abs(x[1] - y[1]) < 1e-9 for x, y in zip(spans, spans_back))
+        assert back.overlap(r) == pytest.approx(trace.overlap(r), abs=1e-8)
+
+
+def test_async_transfers_in_flight_together_get_their_own_lane(measured, tmp_path):
+    events = check_chrome(json.loads(Path(to_chrome(measured, tmp_path / "m.json")).read_text()))
+    comm = _slices(events, "comm")
+    for rank in range(3):
+        mine = sorted(((e["ts"], e["ts"] + e["dur"], e["tid"]) for e in comm if e["pid"] == rank))
+        overlapping = [(x, y) for x, y in zip(mine, mine[1:]) if y[0] < x[1] and y[1] > x[1]]
+        assert all(x[2] != y[2] for x, y in overlapping)       # never on the same thread
+
+
+def test_bad_input_gets_a_sentence(tmp_path):
+    with pytest.raises(TypeError, match="needs a distlab Trace"):
+        to_chrome([1, 2], tmp_path / "x.json")
+    (tmp_path / "other.json").write_text('{"traceEvents": []}')
+    with pytest.raises(ValueError, match="not written by distlab"):
+        from_chrome(tmp_path / "other.json")
+
+
+def test_perfetto_trace_processor_loads_the_export(emulated, tmp_path):
+    binary = os.environ.get("PERFETTO_TRACE_PROCESSOR")
+    tp_module = pytest.importorskip("perfetto.trace_processor")
+    if not binary or not Path(binary).is_file():
+        pytest.skip("perfetto's trace processor binary is downloaded at first use; set "
+                    "PERFETTO_TRACE_PROCESSOR to a trace_processor_shell to run this test")
+    path = str(to_chrome(emulated, tmp_path / "emulated.json"))
+    config = tp_module.TraceProcessorConfig(bin_path=binary)
+    with tp_module.TraceProcessor(trace=path, config=config) as tp:
+        slices = next(iter(tp.query("select count(*) as n from slice"))).n
+        flows = next(iter(tp.query("select count(*) as n from flow"))).n
+    assert slices == sum(1 for _ in emulated.comm()) + len(emulated.compute()) + sum(
+        1 for e in emulated.comm() if e["waited"] > 0)
+    assert flows == len(emulated.comm(op="send"))
