@@ -185,3 +185,28 @@ def test_bad_trace_and_emulate_arguments_get_a_sentence():
         distlab.run(_ring, 2, 4, trace="yes")
     with pytest.raises(ValueError, match="init=True"):
         distlab.run(_ring, 2, 4, emulate="a100-nvlink", init=False)
+
+
+def _compute_then_now(rank, world_size, seconds):
+    trace.compute(seconds)
+    return trace.now()
+
+
+def test_compute_takes_any_real_number_and_refuses_what_no_clock_can_take():
+    import math
+    import numpy as np
+    from distlab import RankFailed
+    for seconds in (np.float32(0.25), np.int64(0), torch.tensor(0.25), 0):
+        assert distlab.run(_compute_then_now, 1, seconds, emulate="a100-nvlink") == [
+            pytest.approx(float(seconds), rel=1e-12)]
+    trace.compute(np.float64(0.0))                        # outside a rank: slept
+    for bad in (math.nan, math.inf, -1.0, np.float32("nan"), torch.tensor(-0.5)):
+        with pytest.raises(ValueError, match=r"^distlab.trace.compute\(seconds\) needs a finite, "
+                                             r"non-negative number of seconds"):
+            trace.compute(bad)
+    for bad in ("0.1", True, None, torch.ones(2), 1j):
+        with pytest.raises(TypeError, match=r"^distlab.trace.compute\(seconds\) needs a number "
+                                            r"of seconds"):
+            trace.compute(bad)
+    with pytest.raises(RankFailed, match="needs a finite, non-negative number of seconds"):
+        distlab.run(_compute_then_now, 1, math.nan, emulate="a100-nvlink")   # the clock stays sound

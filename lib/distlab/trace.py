@@ -27,8 +27,12 @@ Inside a rank, mark what the timeline should name:
     distlab.trace.now()                           # this rank's clock (virtual under emulation)
 """
 import contextlib
+import math
+import numbers
 import time
 from collections import defaultdict
+
+import torch
 
 from . import _tracer
 from .emulate import describe
@@ -58,13 +62,30 @@ def span(name):
 
 def compute(seconds, name="compute"):
     """Spend `seconds` of compute: modeled on the virtual clock, slept otherwise."""
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
-        raise ValueError(f"compute(seconds=...) needs a non-negative number; got {seconds!r}.")
+    seconds = _seconds(seconds)
     rec = _tracer._active
     if rec is None:
         time.sleep(seconds)
     else:
         rec.modeled_compute(seconds, name)
+
+
+def _seconds(x):
+    """`x` as a float: any real number (numpy's too, a 0-d tensor), finite and not negative, or
+    a sentence (a NaN or an infinity would poison the virtual clock of every rank it waits for)."""
+    value = x
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and x.device.type != "meta" \
+            and not x.is_complex() and x.dtype != torch.bool:
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes():      # reading the number is not compute of the rank's
+            value = x.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"distlab.trace.compute(seconds) needs a number of seconds, like 0.004; "
+                        f"got {x!r} (a {type(x).__name__}).")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"distlab.trace.compute(seconds) needs a finite, non-negative number of "
+                         f"seconds, like 0.004; got {x!r}.")
+    return float(value)
 
 
 def completed_at(work):
