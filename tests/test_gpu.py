@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.launch import choose_backend
+from distlab.devices import choose_backend
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # .cuda(), "cuda:0" (any index), device="cuda" / torch.device("cuda") literals
@@ -80,9 +80,10 @@ def test_gpu_check_without_a_gpu_says_so_lists_its_rows_and_exits_0():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("No GPU on this machine (torch.cuda.is_available() is False)")
-    for labels, *_ in gpu_check.CHECKS.values():
-        for label in labels:
+    for strategy in gpu_check.STRATEGIES:
+        for label in strategy.rows:
             assert label.split(" (")[0] in proc.stdout
+    assert "GEMM efficiency, HBM bandwidth and the per-op floor" in proc.stdout
 
 
 def _table_rows(out):
@@ -94,10 +95,10 @@ def _table_rows(out):
 
 def test_gpu_check_cpu_table_runs_every_strategy_and_every_row_passes(capsys):
     from distlab import gpu_check
-    code = gpu_check.main(["--cpu"])
+    code = gpu_check.main(["--cpu", "--no-hardware"])
     out = capsys.readouterr().out
     rows = _table_rows(out)
-    expected = [label for labels, *_ in gpu_check.CHECKS.values() for label in labels]
+    expected = [label for strategy in gpu_check.STRATEGIES for label in strategy.rows]
     assert len(rows) == len(expected) == 23, out
     for row, label in zip(rows, expected):
         assert row.startswith(label.split(" (")[0]), row
@@ -123,10 +124,11 @@ def _raises_on_rank_1(rank, world_size, dev, row):
 def test_gpu_check_fails_a_row_that_differs_and_one_whose_rank_raises():
     from distlab import gpu_check
     lines = []
-    rows = gpu_check.run_checks(2, backend="gloo", timeout=60, out=lines.append, checks={
-        "compare": (["right", "wrong"], _wrong_and_right, 1e-5, 1, None),
-        "raise": (["raises"], _raises_on_rank_1, 1e-5, 1, None),
-        "too big": (["needs 64"], _raises_on_rank_1, 1e-5, 64, None)})
+    Strategy = gpu_check.Strategy
+    rows = gpu_check.run_checks(2, backend="gloo", timeout=60, out=lines.append, checks=[
+        Strategy("compare", ("right", "wrong"), _wrong_and_right, 1e-5),
+        Strategy("raise", ("raises",), _raises_on_rank_1, 1e-5),
+        Strategy("too big", ("needs 64",), _raises_on_rank_1, 1e-5, needs=64)])
     assert [(r["strategy"], r["passed"]) for r in rows] == [
         ("right", True), ("wrong", False), ("raises", False), ("needs 64", None)]
     assert rows[1]["error"] == 1.0 and rows[1]["why"] == "error 1 > 1e-05"
@@ -134,3 +136,18 @@ def test_gpu_check_fails_a_row_that_differs_and_one_whose_rank_raises():
     assert rows[3]["why"] == "skipped: needs 64 GPUs"
     assert "2 failed:" in lines[-3]
     assert lines[-1] == "  raises: rank 1 raised ValueError: broken on purpose"
+
+
+def test_the_hardware_table_runs_on_the_cpu_and_knows_the_presets():
+    from distlab import gpu_check, hardware
+    lines = []
+    rows = gpu_check.measure.report(out=lines.append, cpu=True)
+    whats = [r["what"] for r in rows]
+    assert whats[:2] == ["GEMM 128x128x128 float32", "GEMM 512x512x512 float32"]
+    assert "memory copy (read + write)" in whats and whats[-1].startswith("eager op floor")
+    assert all(r["measured"] > 0 and r["preset"] is None for r in rows)
+    assert lines[0].startswith("Hardware on this CPU (no preset")
+    assert gpu_check.measure.preset_for("NVIDIA H200") is hardware.H200
+    assert gpu_check.measure.preset_for("NVIDIA H100 80GB HBM3") is hardware.H100
+    assert gpu_check.measure.preset_for("NVIDIA A100-SXM4-80GB") is hardware.A100
+    assert gpu_check.measure.preset_for("Tesla T4") is None

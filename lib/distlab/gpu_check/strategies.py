@@ -1,48 +1,36 @@
-"""The GPU self-check: every strategy of the course on NCCL, against the CPU reference.
+"""The strategies the self-check runs: one function per strategy, each calling
+`row(label, fn)` for every row it reports (fn returns the largest difference from the
+single-process float64 reference on the CPU), and the table STRATEGIES that names them.
 
-    python -m distlab.gpu_check          # or: make gpu-check
-    python -m distlab.gpu_check --cpu    # the same table on gloo, 2 CPU ranks (what CI runs)
-
-On a machine with N GPUs each check runs on N ranks, one GPU each (world size 1 on one GPU):
-`distlab.run` then picks "cpu:gloo,cuda:nccl" by itself, so CUDA tensors go over NCCL and CPU
-tensors over gloo. Models and tensors live on `distlab.device()` in float32 (TF32 off, so a
-matmul is a float32 matmul); every rank also computes the single-process reference on the CPU in
-float64 and reports the largest difference. A row passes when that difference is within float32
-rounding: TOL_COLLECTIVE for the collectives, TOL_MODEL for training a few steps (losses,
-gradients and parameters are of order 1). On a machine without a GPU it says so, lists what it
-would run, and exits 0. The exit code is 1 when any row failed.
-
-Timing: an NCCL call returns at once on the host (the work is queued on a CUDA stream), so a row
-is timed between two `torch.cuda.synchronize()` calls, never around the calls alone. The seconds
-are the slowest rank's, reference included: they say where time goes, not how fast NCCL is.
+Every function runs on every rank, with the rank's device (`distlab.device()`: cuda:r under NCCL,
+the CPU under gloo). Models and tensors are float32 (TF32 off); references float64 on the CPU.
 """
-import argparse
 import copy
-import math
-import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import distlab
-from . import collectives as C
-from . import context_parallel as cpm
-from . import models
-from . import parallel3d as p3
-from . import parallel4d as p4
-from . import pipeline_parallel as pp
-from . import pipeline_schedules as ps
-from . import tensor_parallel as tpm
-from .data_parallel import BucketedDDP, average_gradients, broadcast_parameters, shard_batch
-from .expert_parallel import ExpertParallelMoE
-from .moe import make_moe
-from .sharding import ZeRO
+from ..devices import device
+from .. import collectives as C
+from .. import context_parallel as cpm
+from .. import models
+from .. import parallel3d as p3
+from .. import parallel4d as p4
+from .. import pipeline_parallel as pp
+from .. import pipeline_schedules as ps
+from .. import tensor_parallel as tpm
+from ..data_parallel import BucketedDDP, average_gradients, broadcast_parameters, shard_batch
+from ..expert_parallel import ExpertParallelMoE
+from ..moe import make_moe
+from ..sharding import ZeRO
 
 TOL_COLLECTIVE = 1e-5
 TOL_MODEL = 1e-4
 F64 = torch.float64
+
 
 
 # ---- on the rank: comparing, timing --------------------------------------------------------------
@@ -79,7 +67,7 @@ def _on_rank(rank, world_size, check, cfg):
     [(row label, device, max error, seconds)]."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    dev = distlab.device()
+    dev = device()
     rows = []
 
     def row(label, fn, where=None):
@@ -411,141 +399,47 @@ def _parallel4d(rank, n, dev, row, dp, cp, tp):
 
 # ---- the table ----------------------------------------------------------------------------------
 
-# name: (rows it prints, rank function, tolerance, fewest ranks it needs, layout keywords)
-CHECKS = {
-    "collectives": (["ring all-reduce", "ring all-gather", "ring reduce-scatter",
-                     "tree broadcast", "all-to-all"], _collectives, TOL_COLLECTIVE, 1, None),
-    "builtin": (["torch all_reduce, device tensor", "torch all_reduce, CPU tensor"],
-                _builtin_all_reduce, TOL_COLLECTIVE, 1, None),
-    "naive DDP": (["naive DDP"], _data_parallel, TOL_MODEL, 1, lambda n: dict(kind="naive")),
-    "bucketed DDP": (["bucketed DDP"], _data_parallel, TOL_MODEL, 1,
-                     lambda n: dict(kind="bucketed")),
-    "ZeRO": (["ZeRO-1", "ZeRO-2", "ZeRO-3"], _zero, TOL_MODEL, 1, None),
-    "tensor parallel": (["tensor parallel", "tensor parallel + sequence parallel"],
-                        _tensor_parallel, TOL_MODEL, 1, None),
-    "pipeline": ([f"pipeline {s}" for s in ps.SCHEDULES], _pipeline, TOL_MODEL, 1, None),
-    "expert parallel": (["expert parallel (MoE all-to-all)"], _expert_parallel, TOL_MODEL, 1,
-                        None),
-    "3D": (["3D (dp x pp x tp)"], _parallel3d, TOL_MODEL, 1,
-           lambda n: dict(zip(("dp", "pp_", "tp"), layout_3d(n)))),
-    "context parallel": (["ring attention (zig-zag)", "all-gather K/V attention"],
-                         _context_parallel, TOL_MODEL, 1, None),
-    "4D": (["4D (dp x cp x tp)"], _parallel4d, TOL_MODEL, 1,
-           lambda n: dict(zip(("dp", "cp", "tp"), layout_4d(n)))),
-}
+@dataclass(frozen=True)
+class Strategy:
+    """One line of the table: `check(rank, world_size, device, row, **layout(world_size))`
+    reports `rows` (their labels, in order), each passing within `tol`; it needs `needs` ranks."""
+    name: str
+    rows: tuple
+    check: object
+    tol: float = TOL_MODEL
+    needs: int = 1
+    layout: object = None
 
-COLUMNS = ("strategy", "world", "backend", "device", "max error", "result", "seconds")
-WIDTHS = (38, 5, 18, 10, 9, 24, 7)
+    def config(self, world_size):
+        return self.layout(world_size) if self.layout else {}
+
+    def labels(self, world_size):
+        """The row labels, a 3D/4D row naming its layout at this world size."""
+        if self.name in ("3D", "4D"):
+            cfg = self.config(world_size)
+            return [f"{self.name} (" + " ".join(f"{k.rstrip('_')}={v}" for k, v in cfg.items())
+                    + ")"]
+        return list(self.rows)
 
 
-def _line(cells):
-    return "  ".join(str(c).ljust(w) for c, w in zip(cells, WIDTHS)).rstrip()
-
-
-def _device_label(where, n):
-    """"cpu", or the accelerators of the ranks: one per rank, rank r on device r."""
-    if where == "cpu":
-        return where
-    return f"{where}:0" if n == 1 else f"{where}:0-{n - 1}"
-
-
-def run_checks(world_size, backend=None, timeout=300.0, out=print, checks=None):
-    """Run every check (default: CHECKS) on `world_size` ranks, print the table row by row;
-    return the rows as dicts (strategy, world_size, backend, device, error, passed, seconds,
-    why)."""
-    out(_line(COLUMNS))
-    out(_line("-" * w for w in WIDTHS))
-    rows = []
-    chosen = backend or distlab.choose_backend(world_size)
-    for name, (labels, check, tol, needs, layout) in (checks or CHECKS).items():
-        cfg = layout(world_size) if layout else {}
-        if name in ("3D", "4D"):      # name the layout in rows that never ran
-            labels = [f"{name} (" + " ".join(f"{k.rstrip('_')}={v}" for k, v in cfg.items()) + ")"]
-        if world_size < needs:
-            for label in labels:
-                rows.append(dict(strategy=label, world_size=world_size, backend="-", device="-",
-                                 error=None, passed=None, seconds=None,
-                                 why=f"skipped: needs {needs} GPUs"))
-                out(_line((label, world_size, "-", "-", "-", rows[-1]["why"], "-")))
-            continue
-        try:
-            results = distlab.run(_on_rank, world_size, check, cfg, backend=backend,
-                                  timeout=timeout)
-        except (distlab.RankFailed, distlab.RunTimeout) as e:
-            why = str(e).splitlines()[0]
-            for label in labels:
-                rows.append(dict(strategy=label, world_size=world_size, backend=chosen,
-                                 device="?", error=None, passed=False, seconds=None, why=why))
-                out(_line((label, world_size, chosen, "?", "-", "FAILED (see below)", "-")))
-            continue
-        for i, (label, where, _, _) in enumerate(results[0]):
-            # The worst rank's error; a NaN anywhere is the worst of all.
-            error = max((r[i][2] for r in results), key=lambda e: (math.isnan(e), e))
-            seconds = max(r[i][3] for r in results)
-            passed = error <= tol and not math.isnan(error)
-            why = None if passed else f"error {error:.2g} > {tol:g}"
-            rows.append(dict(strategy=label, world_size=world_size, backend=results.backend,
-                             device=_device_label(where, world_size), error=error, passed=passed,
-                             seconds=seconds, why=why))
-            out(_line((label, world_size, results.backend, rows[-1]["device"], f"{error:.1e}",
-                       "passed" if passed else f"FAILED (> {tol:g})", f"{seconds:.3f}")))
-    failed = [r for r in rows if r["passed"] is False]
-    passed = sum(r["passed"] is True for r in rows)
-    out(f"\n{passed} of {len(rows)} passed" + (f", {len(failed)} failed:" if failed else "."))
-    for r in failed:
-        out(f"  {r['strategy']}: {r['why']}")
-    return rows
-
-
-def plan():
-    """What the check would run on a machine with GPUs: one line per row."""
-    lines = []
-    for name, (labels, _, _, needs, layout) in CHECKS.items():
-        for label in labels:
-            if name == "3D":
-                label = "3D (dp x pp x tp), e.g. on 8 GPUs dp=%d pp=%d tp=%d" % layout_3d(8)
-            elif name == "4D":
-                label = "4D (dp x cp x tp), e.g. on 8 GPUs dp=%d cp=%d tp=%d" % layout_4d(8)
-            lines.append(f"  {label}" + (f" (needs {needs} GPUs)" if needs > 1 else ""))
-    return lines
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m distlab.gpu_check",
-                                     description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--cpu", action="store_true",
-                        help="run the same table on gloo with 2 CPU ranks (no GPU needed)")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds per row before its ranks are stopped (default 300 on "
-                             "GPUs, 60 on CPUs)")
-    args = parser.parse_args(argv)
-    if args.cpu:
-        print("GPU self-check, CPU path: every strategy on 2 CPU ranks over gloo, float32 "
-              "against a float64 single-process reference.")
-        rows = run_checks(2, backend="gloo", timeout=args.timeout or 60.0)
-    elif not torch.cuda.is_available():
-        print("No GPU on this machine (torch.cuda.is_available() is False), so there is nothing "
-              "to check on NCCL; nothing was run.")
-        print("On a machine with N GPUs it runs each of these on N ranks over NCCL "
-              "('cpu:gloo,cuda:nccl'), one GPU per rank, and compares with the CPU reference:")
-        print("\n".join(plan()))
-        print("`python -m distlab.gpu_check --cpu` runs the same table on gloo with CPU ranks.")
-        return 0
-    else:
-        n = torch.cuda.device_count()
-        try:
-            nccl = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:                       # a build without NCCL: the ranks use gloo
-            nccl = "not available"
-        print(f"GPU self-check: {n} GPU(s) ({torch.cuda.get_device_name(0)}), world size {n}, "
-              f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}; float32 "
-              f"against a float64 CPU reference, TF32 off.")
-        rows = run_checks(n, timeout=args.timeout or 300.0)
-    return 1 if any(r["passed"] is False for r in rows) else 0
-
-
-if __name__ == "__main__":
-    # Run the importable module's main, so the ranks find these functions by name.
-    from distlab.gpu_check import main as _main
-    sys.exit(_main())
+STRATEGIES = [
+    Strategy("collectives", ("ring all-reduce", "ring all-gather", "ring reduce-scatter",
+                             "tree broadcast", "all-to-all"), _collectives, TOL_COLLECTIVE),
+    Strategy("torch all_reduce", ("torch all_reduce, device tensor",
+                                  "torch all_reduce, CPU tensor"), _builtin_all_reduce,
+             TOL_COLLECTIVE),
+    Strategy("naive DDP", ("naive DDP",), _data_parallel, layout=lambda n: dict(kind="naive")),
+    Strategy("bucketed DDP", ("bucketed DDP",), _data_parallel,
+             layout=lambda n: dict(kind="bucketed")),
+    Strategy("ZeRO", ("ZeRO-1", "ZeRO-2", "ZeRO-3"), _zero),
+    Strategy("tensor parallel", ("tensor parallel", "tensor parallel + sequence parallel"),
+             _tensor_parallel),
+    Strategy("pipeline", tuple(f"pipeline {s}" for s in ps.SCHEDULES), _pipeline),
+    Strategy("expert parallel", ("expert parallel (MoE all-to-all)",), _expert_parallel),
+    Strategy("3D", ("3D (dp x pp x tp)",), _parallel3d,
+             layout=lambda n: dict(zip(("dp", "pp_", "tp"), layout_3d(n)))),
+    Strategy("context parallel", ("ring attention (zig-zag)", "all-gather K/V attention"),
+             _context_parallel),
+    Strategy("4D", ("4D (dp x cp x tp)",), _parallel4d,
+             layout=lambda n: dict(zip(("dp", "cp", "tp"), layout_4d(n)))),
+]
