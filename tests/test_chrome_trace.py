@@ -10,6 +10,7 @@ checks the import's overlap and idle numbers against its own on a GPU-shaped tra
 """
 import json
 import os
+import shutil
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -19,10 +20,14 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab import collectives
+from distlab import collectives, models
 from distlab.chrome_trace import from_chrome, to_chrome
+from distlab.profiler_trace import from_profiler
 
 matplotlib.use("Agg")
+DATA = Path(__file__).parent / "data" / "profiler_ddp"
+# tools/make_profiler_trace.py: the MLP and the bucket size of the shipped DDP trace
+SHIPPED_SIZES = (16, 256, 256, 256, 256, 4)
 
 # The format: required keys per phase, and the metadata events' argument.
 REQUIRED = {"X": ("name", "ts", "dur", "pid", "tid"), "M": ("name", "pid", "args"),
@@ -212,3 +217,153 @@ def test_perfetto_trace_processor_loads_the_export(emulated, tmp_path):
     assert slices == sum(1 for _ in emulated.comm()) + len(emulated.compute()) + sum(
         1 for e in emulated.comm() if e["waited"] > 0)
     assert flows == len(emulated.comm(op="send"))
+
+
+# ---- torch.profiler traces into the course ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def shipped():
+    return from_profiler(DATA)
+
+
+def test_the_shipped_profiler_trace_is_small_and_real():
+    files = sorted(DATA.glob("*.json"))
+    assert [f.name for f in files] == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+    assert sum(f.stat().st_size for f in files) < 300_000
+    for rank, f in enumerate(files):
+        doc = json.loads(f.read_text())
+        assert doc["distributedInfo"]["rank"] == rank and doc["distributedInfo"]["backend"] == "gloo"
+        assert not any(s in f.read_text() for s in ("/work/", "/tmp/", "/home/"))
+
+
+def test_bad_profiler_input_gets_a_sentence(tmp_path):
+    with pytest.raises(ValueError, match="no such trace file"):
+        from_profiler([tmp_path / "missing.json"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no profiler traces"):
+        from_profiler(tmp_path / "empty")
+    (tmp_path / "bad.json").write_text("not json")
+    with pytest.raises(ValueError, match="not a JSON trace"):
+        from_profiler(tmp_path / "bad.json")
+    for r in (0, 1):
+        shutil.copy(DATA / "rank0.pt.trace.json", tmp_path / f"copy{r}.json")
+    with pytest.raises(ValueError, match="one file per rank"):
+        from_profiler([tmp_path / "copy0.json", tmp_path / "copy1.json"])
+
+
+def test_a_ddp_profile_becomes_the_courses_trace(shipped):
+    params = sum(p.numel() for p in models.make_mlp(SHIPPED_SIZES).parameters())
+    assert shipped.world_size == 2 and shipped.source.startswith("torch.profiler")
+    for r in range(2):
+        reduces = shipped.comm(r, op="all_reduce")
+        assert shipped.ops(r) == ["all_reduce"] * len(reduces) and len(reduces) >= 2
+        assert sum(e["bytes"] for e in reduces) == 4 * params      # DDP's buckets: every gradient
+        assert all(e["group"] == (0, 1) and e["dtype"] == "float32" for e in reduces)
+        assert all(e["launch"] <= e["start"] < e["end"] for e in reduces)
+        assert {"forward", "backward"} <= {s["name"] for s in shipped.compute(r)}
+        o = shipped.overlap(r)
+        assert 0 <= o["overlapped"] <= o["comm"] and 0 <= o["ratio"] <= 1 and o["idle"] >= 0
+        assert o["exposed"] == pytest.approx(o["comm"] - o["overlapped"])
+    # the two ranks' buckets are the same all-reduces, in the same order
+    assert [e["bytes"] for e in shipped.comm(0)] == [e["bytes"] for e in shipped.comm(1)]
+    assert "rank" in shipped.summary()
+
+
+def test_the_courses_pictures_and_export_work_on_a_profiler_trace(shipped, tmp_path):
+    from distlab.viz.trace import timeline
+    ax = timeline(shipped)
+    assert "torch.profiler" in ax.get_xlabel()
+    check_chrome(json.loads(Path(shipped.to_chrome(tmp_path / "real.json")).read_text()))
+
+
+def test_collectives_and_messages_of_a_gloo_profile(tmp_path):
+    distlab.run(_profiled_calls, 2, str(tmp_path))
+    t = from_profiler([tmp_path / "p0.json", tmp_path / "p1.json"])
+    assert t.ops(0) == ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "barrier"]
+    assert t.ops(1) == ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "recv", "barrier"]
+    gather, scatter = t.comm(0, op="all_gather")[0], t.comm(0, op="reduce_scatter")[0]
+    assert gather["bytes"] == 2 * 6 * 4 and scatter["bytes"] == 2 * 3 * 4   # the full tensors
+    send, recv = t.comm(0, op="send")[0], t.comm(1, op="recv")[0]
+    assert (send["peer"], send["tag"], send["bytes"], send["dtype"]) == (1, 3, 40, "float64")
+    assert (recv["peer"], recv["tag"]) == (0, 3)
+    doc = json.loads(Path(to_chrome(t, tmp_path / "calls.json")).read_text())
+    assert sum(e["ph"] == "s" for e in check_chrome(doc)) == 1
+
+
+def _profiled_calls(rank, world_size, out):
+    from torch.profiler import ProfilerActivity, profile
+    t = torch.ones(6)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        dist.all_reduce(t)
+        dist.all_gather_into_tensor(torch.empty(6 * world_size), t)
+        dist.reduce_scatter_tensor(torch.empty(3), torch.ones(3 * world_size))
+        dist.broadcast(t, 0)
+        if rank == 0:
+            dist.send(torch.ones(5, dtype=torch.float64), 1, tag=3)
+        else:
+            dist.recv(torch.empty(5, dtype=torch.float64), 0, tag=3)
+        dist.barrier()
+    prof.export_chrome_trace(f"{out}/p{rank}.json")
+
+
+# ---- the definitions of HTA, on a GPU-shaped trace ------------------------------------------------------
+
+# Two ranks' kernels (name, stream, start µs, end µs): compute, NCCL collectives partly hidden
+# behind it (rank 1: two at once, on two streams), a copy (busy, but not compute).
+AR = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+AG = "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+GPU_KERNELS = {
+    0: [("sm90_gemm_fwd", 7, 0, 40), ("sm90_gemm_bwd", 7, 50, 100), (AR, 20, 80, 130),
+        ("Memcpy DtoD (Device -> Device)", 7, 135, 140), ("elementwise_kernel", 7, 140, 150)],
+    1: [("sm90_gemm_fwd", 7, 0, 45), ("sm90_gemm_bwd", 7, 55, 90), (AR, 20, 85, 135),
+        (AG, 21, 120, 140), ("elementwise_kernel", 7, 145, 150)],
+}
+# By hand, from the definitions: communication is the union of NCCL kernels, 50 and 55 µs; the
+# compute that hides it: 80-100 (20 µs) and 85-90 (5 µs); idle = the 150 µs from first to last
+# kernel minus the union of all kernels: rank 0 40-50 and 130-135, rank 1 45-55 and 140-145.
+EXPECTED = {0: dict(comm=50, overlapped=20, ratio=20 / 50, idle=15),
+            1: dict(comm=55, overlapped=5, ratio=5 / 55, idle=15)}
+
+
+def _gpu_trace(folder):
+    folder.mkdir()
+    for rank, kernels in GPU_KERNELS.items():
+        events = []
+        for i, (name, stream, a, b) in enumerate(kernels):
+            args = {"stream": stream, "device": 0, "correlation": i + 1, "External id": i + 1}
+            if name.startswith("nccl"):
+                args.update({"In msg nelems": 1024, "Out msg nelems": 1024, "dtype": "Float",
+                             "Group size": 2})
+            events.append(dict(ph="X", cat="gpu_memcpy" if name.startswith("Memcpy") else "kernel",
+                               name=name, pid=0, tid=stream, ts=1_000_000 + a, dur=b - a,
+                               args=args))
+        doc = dict(schemaVersion=1, distributedInfo=dict(backend="nccl", rank=rank, world_size=2),
+                   deviceProperties=[], traceEvents=events)
+        (folder / f"rank{rank}.json").write_text(json.dumps(doc))
+    return folder
+
+
+def test_overlap_and_idle_follow_htas_definitions(tmp_path):
+    t = from_profiler(_gpu_trace(tmp_path / "gpu"))
+    assert t.source == "torch.profiler trace (GPU kernels)"
+    for rank, want in EXPECTED.items():
+        o = t.overlap(rank)
+        assert o["comm"] * 1e6 == pytest.approx(want["comm"])
+        assert o["overlapped"] * 1e6 == pytest.approx(want["overlapped"])
+        assert o["ratio"] == pytest.approx(want["ratio"])
+        assert o["idle"] * 1e6 == pytest.approx(want["idle"])
+        assert t.comm(rank)[0]["op"] == "all_reduce" and t.comm(rank)[0]["bytes"] == 4096
+
+
+def test_hta_agrees_on_overlap_and_idle(tmp_path):
+    hta = pytest.importorskip("hta.trace_analysis", reason="HolisticTraceAnalysis not installed")
+    folder = _gpu_trace(tmp_path / "gpu")
+    ours = from_profiler(folder)
+    analysis = hta.TraceAnalysis(trace_dir=str(folder))
+    overlap = analysis.get_comm_comp_overlap(visualize=False).set_index("rank")
+    temporal = analysis.get_temporal_breakdown(visualize=False).set_index("rank")
+    for rank in (0, 1):
+        o = ours.overlap(rank)
+        assert overlap.loc[rank, "comp_comm_overlap_pctg"] == pytest.approx(100 * o["ratio"],
+                                                                            abs=0.01)
+        assert temporal.loc[rank, "idle_time(us)"] == pytest.approx(o["idle"] * 1e6, abs=0.01)

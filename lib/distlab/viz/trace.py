@@ -38,8 +38,13 @@ def timeline(trace, ax=None, title=None, until=None, labels=True):
     ax.set_yticks(range(trace.world_size), [f"rank {r}" for r in range(trace.world_size)])
     ax.invert_yaxis()
     ax.set_xlim(0, end * scale * 1.02)
-    ax.set_xlabel(f"{unit} since the function started" +
-                  (" (modeled)" if trace.emulated is not None else " (measured on this machine)"))
+    source = getattr(trace, "source", None)     # a torch.profiler trace read back, say so
+    if source and trace.emulated is None:
+        ax.set_xlabel(f"{unit} since the first event ({source})")
+    else:
+        ax.set_xlabel(f"{unit} since the function started" +
+                      (" (modeled)" if trace.emulated is not None else
+                       " (measured on this machine)"))
     heading = title or "what every rank did"
     if trace.emulated is not None:
         heading += "\n" + describe(trace.emulated).lstrip("⏱ ")     # fonts lack the emoji
