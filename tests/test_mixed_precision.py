@@ -109,3 +109,16 @@ def test_fp16_loss_scaling_skips_the_step_that_overflows_and_halves_the_scale():
     taken = [scale for _, scale, skipped in steps if not skipped]
     assert taken, "the scale halves until the gradients fit in fp16, then steps are taken"
     assert all(skipped for _, scale, skipped in steps if scale > taken[0])
+
+
+def test_a_step_taken_with_lr_0_is_not_reported_as_skipped():
+    """lr 0 moves no weight, yet the step was taken (finite gradients, the scale kept)."""
+    model = models.make_mlp(SIZES, seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1000)
+    x, y = next(iter(data()))
+    before = [p.detach().clone() for p in model.parameters()]
+    _, scale, skipped = loss_scaled_step(model, opt, scaler, x, y, loss_fn)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))   # nothing moved
+    assert scale == 1.0 and scaler.get_scale() == 1.0                         # no overflow
+    assert not skipped

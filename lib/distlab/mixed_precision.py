@@ -47,17 +47,23 @@ def loss_scaled_step(model, optimizer, scaler, x, y, loss_fn):
     """One float16 step with torch's GradScaler; (loss, scale used, whether the step was skipped).
 
     The model's weights stay float32 (GradScaler refuses to unscale float16 gradients: the
-    master copy is the point); autocast runs its matmuls in float16. The loss is multiplied by the scale before backward so that small gradients do not flush to
-    zero in float16; before the step the gradients are divided by it again. If any gradient
-    overflowed to inf/nan, the step is SKIPPED (the weights do not move) and the scale halves.
+    master copy is the point); autocast runs its matmuls in float16. The loss is multiplied by
+    the scale before backward so that small gradients do not flush to zero in float16; before
+    the step the gradients are divided by it again. If any gradient overflowed to inf/nan, the
+    step is SKIPPED (the weights do not move) and the scale halves.
     """
     scale = scaler.get_scale()
     with torch.autocast(x.device.type, dtype=torch.float16):
         loss = loss_fn(model(x), y)
     scaler.scale(loss).backward()
-    before = [p.detach().clone() for p in model.parameters()]
-    scaler.step(optimizer)
+    # Unscale first, so that the gradients GradScaler judges are in hand: it skips the step
+    # exactly when one of them is inf or nan. (Weights that did not move would not say it: a
+    # step with lr 0, or a gradient of zero, is taken and moves nothing.)
+    scaler.unscale_(optimizer)
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None]
+    skipped = scaler.is_enabled() and not all(bool(torch.isfinite(g).all()) for g in grads)
+    scaler.step(optimizer)                  # uses the unscaled gradients, does not unscale again
     scaler.update()
     optimizer.zero_grad()
-    skipped = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     return loss.item(), scale, skipped
