@@ -86,3 +86,120 @@ def test_a_transfer_never_waited_for_gets_its_times_at_the_end_of_the_run():
     event = results.trace.comm(1)[0]
     c = comm_seconds("all_reduce", N * 4, 2, A100.intra)
     assert event["end"] - event["start"] == pytest.approx(c, rel=1e-12)
+
+
+# ---- full size on the meta device (issue 27 item 2) -------------------------------------------
+
+def _tp_layer(rank, world_size, device):
+    """A tensor-parallel RMSNorm → column → SiLU → row layer, forward and backward, then a
+    gather of one gradient and a message around the ring: every kind of transfer."""
+    from distlab.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    torch.manual_seed(0)
+    with torch.device(device):
+        norm = torch.nn.RMSNorm(64)
+        up = ColumnParallelLinear(64, 96, bias=False)
+        down = RowParallelLinear(96, 64)
+        x = torch.randn(2, 16, 64, requires_grad=True)
+    y = down(torch.nn.functional.silu(up(norm(x))))
+    y.pow(2).mean().backward()
+    out = torch.empty(world_size * down.bias.numel(), device=device)
+    dist.all_gather_into_tensor(out, down.bias.grad)
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    inbox = torch.empty(64, device=device)
+    requests = [dist.isend(out[:64].contiguous(), right), dist.irecv(inbox, left)]
+    for request in requests:
+        request.wait()
+    return trace.now(), tuple(out.shape), out.device.type
+
+
+def _timeline(t, rank):
+    return ([(s["name"], s["start"], s["end"], s["flops"]) for s in t.compute(rank)],
+            [(e["op"], e["bytes"], e["launch"], e["start"], e["end"], e["waited"])
+             for e in t.comm(rank)])
+
+
+def test_meta_tensors_cost_what_real_tensors_of_the_same_shape_cost(capsys):
+    real = distlab.run(_tp_layer, 3, "cpu", emulate=A100, timeout=30)
+    assert "values not computed" not in capsys.readouterr().out
+    meta = distlab.run(_tp_layer, 3, "meta", emulate=A100, timeout=30)
+    assert "values not computed: meta tensors" in capsys.readouterr().out
+    assert meta.trace.meta and not real.trace.meta
+    assert [r[1:] for r in meta] == [((192,), "meta")] * 3
+    for rank in range(3):
+        assert _timeline(meta.trace, rank) == _timeline(real.trace, rank)
+        assert meta.trace.totals(rank) == real.trace.totals(rank)
+    assert [r[0] for r in meta] == [r[0] for r in real]
+    assert "values not computed: meta tensors" in meta.trace.summary()
+
+
+HUGE = 25_000_000_000                    # float32 elements: 100 GB, far more than this machine
+
+
+def _huge(rank, world_size):
+    t = torch.empty(HUGE, device="meta")
+    dist.all_reduce(t)
+    gathered = torch.empty(world_size * HUGE, device="meta")
+    dist.all_gather_into_tensor(gathered, t, async_op=True).wait()
+    if rank == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    return trace.now()
+
+
+def test_meta_communication_never_reaches_gloo():
+    results = distlab.run(_huge, 2, emulate=A100, timeout=30)
+    link = A100.intra
+    for rank, op, nbytes in ((0, "all_reduce", HUGE * 4), (1, "all_gather", 2 * HUGE * 4),
+                             (0, "send", HUGE * 4)):
+        e = results.trace.comm(rank, op=op)[0]
+        assert e["bytes"] == nbytes
+        assert e["end"] - e["start"] == pytest.approx(comm_seconds(op, nbytes, 2, link), rel=1e-9)
+    assert results[1] >= results.trace.comm(0, op="send")[0]["end"]
+
+
+def _needs_a_value(rank, world_size, what):
+    x = torch.ones(4, device="meta")
+    if what == "item":
+        return x.sum().item()
+    if what == "tolist":
+        return x.tolist()
+    if what == "if":
+        return 1 if x.sum() > 0 else 0
+    return x[x > 0]
+
+
+@pytest.mark.parametrize("what", ["item", "tolist", "if", "mask"])
+def test_code_that_needs_a_value_of_a_meta_tensor_gets_a_sentence(what):
+    with pytest.raises(distlab.RankFailed, match="needs the values of a tensor on the meta "
+                       "device.*run this code on real tensors at a small size"):
+        distlab.run(_needs_a_value, 1, what, emulate=A100, timeout=20)
+
+
+def test_meta_tensors_in_a_run_that_is_not_emulated_get_a_sentence():
+    with pytest.raises(distlab.RankFailed, match="all_reduce got a tensor on the meta device.*"
+                       "emulate="):
+        distlab.run(_huge, 2, trace=True, timeout=20)
+
+
+def _fullsize():
+    import importlib.util
+    import os
+    import sys
+    import cloudpickle
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "fullsize.py")
+    spec = importlib.util.spec_from_file_location("distlab_bench_fullsize", path)
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)      # the ranks cannot import bench/
+    return module
+
+
+def test_the_full_size_benchmark_runs_a_small_llama_block():
+    fullsize = _fullsize()
+    config = dict(fullsize.LLAMA2_7B, hidden=256, heads=4, ffn=688)
+    r = fullsize.measure(2, "h100-nvlink", config, tokens=128, timeout=60)
+    assert r["meta"] and r["collectives"] == 4                 # 2 forward, 2 backward
+    assert r["comm_bytes"] == 4 * 128 * 256 * 2
+    assert r["flops"] == r["closed_form_flops"]
+    assert r["seconds"] > 0 and r["ratio"] >= 1.0

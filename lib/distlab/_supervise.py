@@ -188,7 +188,7 @@ class Launch:
             del store  # the parent's store lives exactly as long as the launch
         if self.cluster is not None:
             from .emulate import announce
-            announce(self.cluster)
+            announce(self.cluster, meta=any(r.trace and r.trace.get("meta") for r in self.ranks))
         self._print_output()
         if failure is not None:
             raise failure

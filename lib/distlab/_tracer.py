@@ -11,6 +11,17 @@ Two layers, because neither sees everything:
   issues (torch's DDP reducer, DTensor's functional collectives): those are recorded as
   `native`. Under emulation the mode also charges each operation's modeled compute time.
 The profiler sees c10d calls too, but not the peer of a message, and it cannot delay a wait.
+
+Meta tensors (full-size runs under emulation): a tensor on the `meta` device has a shape and a
+dtype but no memory and no values, so a rank can hold a 7B-parameter layer on a laptop. Under
+emulation every op on meta tensors is charged as on real ones (FLOPs from the shapes through
+torch's flop counter, bytes from numel·itemsize); a collective or message on meta tensors never
+reaches gloo: its wrapper charges the modeled time on the clock (the peers still agree through
+the store) and returns a finished handle, the outputs staying meta. What needs a value (`.item()`,
+`bool()`/`if` on a tensor, `.tolist()`/`.cpu()`, ops whose output size depends on the values
+such as nonzero or boolean masks, a receive from any source) raises MetaValueError with one
+sentence; so does communicating meta tensors in a run that is not emulated. Printing a meta
+tensor shows `tensor(..., device='meta', size=...)`: no values.
 """
 import sys
 import threading
@@ -80,6 +91,53 @@ _NATIVE.update(all_reduce="all_reduce", all_gather_into_tensor="all_gather",
 _COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 
 
+class MetaValueError(RuntimeError):
+    """Code needed the values of a meta tensor (see the module's docstring)."""
+
+
+def _value_sentence(what):
+    return (f"{what} needs the values of a tensor on the meta device, and an emulated run on "
+            f"meta tensors computes shapes and times, not values: run this code on real tensors "
+            f"at a small size to see values.")
+
+
+def _meta(xs):
+    return any(t.is_meta for t in _tensors(xs))
+
+
+class _NoTransfer:
+    """The finished inner handle of a communication on meta tensors: nothing was sent."""
+
+    def __init__(self, args):
+        self._outputs = _tensors(args[0]) if args else []
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._outputs
+
+    def synchronize(self):
+        return None
+
+    def block_current_stream(self):
+        return None
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_result(self._outputs)
+        return future
+
+
 class TracedWork(dist.Work):
     """The Work handle a traced call returns: the real one inside, the event to complete beside."""
 
@@ -142,8 +200,12 @@ class _DeviceMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         rec = self.recorder
+        if rec.clock is not None and _meta(args):
+            rec.meta = True
+            out = _on_meta(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         if func.namespace in _COMM_NAMESPACES:
             name = func.__name__.split(".")[0]
             if not rec.inside and not name.startswith(("wait", "barrier")):
@@ -153,6 +215,22 @@ class _DeviceMode(TorchDispatchMode):
         return out
 
 
+def _on_meta(func, args, kwargs):
+    """func on meta tensors, with a sentence where it needs their values."""
+    name = func.__name__.split(".")[0]
+    if name == "_local_scalar_dense":
+        raise MetaValueError(_value_sentence("`.item()` (or float(), int(), bool(), an `if` on a "
+                                             "tensor)"))
+    try:
+        return func(*args, **kwargs)
+    except NotImplementedError:
+        if name in ("_to_copy", "copy_", "_copy_from"):
+            what = "copying a meta tensor into real memory (.tolist(), .cpu(), .numpy(), .to())"
+        else:
+            what = f"aten.{name} (its result depends on the values: nonzero, unique, masks)"
+        raise MetaValueError(_value_sentence(what)) from None
+
+
 class Recorder:
     """What one rank did: communication events and compute spans, on its clock."""
 
@@ -160,6 +238,7 @@ class Recorder:
         self.rank, self.clock = rank, clock
         self.events, self.spans = [], []
         self.inside = False          # inside a wrapped call: its c10d op is not recorded twice
+        self.meta = False            # the rank computed or communicated on meta tensors
         self.t0 = time.monotonic()
         self._ranks = {}
         self._label = []             # names of the enclosing span()s
@@ -235,6 +314,7 @@ class Recorder:
 
     def call(self, pg, method, original, args, kwargs):
         ranks = self.ranks_of(pg)
+        meta = self._check_meta(method, args, kwargs)
         event = dict(kind="comm", op=None, method=method, group=ranks, peer=None, tag=None,
                      bytes=0, dtype=_dtype(args), launch=self.now(), start=None, end=None,
                      waited=0.0, async_op=None, native=False, label=self._label[-1:] or None,
@@ -258,6 +338,9 @@ class Recorder:
                                                        pg.group_name)
         self.events.append(event)
         event["_marker"] = self._marker()
+        if meta:                    # nothing to send: the clock alone carries the transfer
+            self.meta = True
+            return TracedWork(_NoTransfer(args), event, self)
         self.inside = True
         try:
             work = original(pg, *args, **kwargs)
@@ -267,6 +350,27 @@ class Recorder:
             self.finish(event, None)
             return None
         return TracedWork(work, event, self)
+
+    def _check_meta(self, method, args, kwargs):
+        ts = _tensors(list(args) + list(kwargs.values()))
+        metas = sum(t.is_meta for t in ts)
+        if not metas:
+            return False
+        op = _COLLECTIVES[method][0] if method in _COLLECTIVES else method
+        if self.clock is None:
+            raise MetaValueError(
+                f"{op} got a tensor on the meta device, which has no values to send: communicate "
+                f"meta tensors only under distlab.run(..., emulate=...), which models their time, "
+                f"or build real tensors at a small size.")
+        if metas < len(ts):
+            raise ValueError(f"{op} mixes tensors on the meta device with real ones: build them "
+                             f"all on the meta device (emulation then models the time, without "
+                             f"values) or all real.")
+        if method == "recv_anysource":
+            raise MetaValueError("a receive from any source learns its sender from a real "
+                                 "message; with meta tensors name the sender: "
+                                 "dist.recv(t, src=...).")
+        return True
 
     def finish(self, event, inner, called=None):
         """The caller waits for `event`: on the virtual clock, until its modeled completion."""
@@ -334,7 +438,7 @@ class Recorder:
                 if "_node" in event:
                     self.completion(event)
         return dict(rank=self.rank, events=[_public(e) for e in self.events], spans=self.spans,
-                    end=self.now())
+                    end=self.now(), meta=self.meta)
 
 
 def _public(event):

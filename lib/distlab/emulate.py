@@ -16,6 +16,16 @@ The real tensors still flow through gloo, so results are exact and identical to 
 only time is modeled. The clocks are deterministic: an emulated timeline is the same on every
 run and every machine. Host (Python) overhead costs nothing on the virtual clock.
 
+Full size on a laptop: the model needs shapes, not values. Build the model and its inputs on
+the `meta` device inside the rank's function (`with torch.device("meta"): model = ...; x = ...`)
+and a 7B block or a large step runs under emulation in seconds (bench/fullsize.py): every op is
+charged from its shapes exactly as on real tensors of that shape; a collective or message on
+meta tensors is charged on the clock and never reaches gloo; nothing is computed, and the
+emulated line says so ("values not computed: meta tensors"). Code that needs a value (`.item()`,
+an `if` on a tensor, `.tolist()`, data-dependent routing) stops with a sentence that says to run
+it on real tensors at a small size (distlab._tracer.MetaValueError); so does sending meta
+tensors in a run that is not emulated.
+
 Ranks agree on when a transfer starts through the launcher's TCP store, outside the process
 groups being traced, and launching never waits for a peer: at launch a rank only publishes when
 it is ready for the transfer and what its link does before it (`Clock`). The start (the last
@@ -292,16 +302,17 @@ class Clock:
                 self._free[(key, m)] = free[m]
 
 
-def describe(cluster):
-    """The one line every emulated output carries."""
-    return f"⏱ emulated: {cluster}. Times are modeled, not measured on this machine."
+def describe(cluster, meta=False):
+    """The one line every emulated output carries (`meta`: the run held meta tensors)."""
+    values = "; values not computed: meta tensors" if meta else ""
+    return f"⏱ emulated: {cluster}. Times are modeled, not measured on this machine{values}."
 
 
 _announced = None
 
 
-def announce(cluster):
-    """Print describe(cluster) once per notebook cell and cluster (every time outside a
+def announce(cluster, meta=False):
+    """Print describe(cluster, meta) once per notebook cell and cluster (every time outside a
     notebook): a cell that runs a sweep of emulated runs says it once, not once per run."""
     global _announced
     try:
@@ -315,6 +326,6 @@ def announce(cluster):
         # count does not tell cells apart, but the request's message id does.
         header = getattr(shell, "parent_header", None) or {}
         cell = header.get("header", {}).get("msg_id") or (id(shell), shell.execution_count)
-    if cell is None or _announced != (cell, cluster):
-        print(describe(cluster))
-        _announced = (cell, cluster)
+    if cell is None or _announced != (cell, cluster, meta):
+        print(describe(cluster, meta))
+        _announced = (cell, cluster, meta)

@@ -114,6 +114,8 @@ class Trace:
     def __init__(self, per_rank, emulated=None):
         self.world_size = len(per_rank)
         self.emulated = emulated
+        # Emulated on meta tensors (full size, no values): see distlab._tracer.
+        self.meta = any(r.get("meta") for r in per_rank if r)
         self._ranks = per_rank          # [{"rank", "events", "spans", "end"}] in rank order
 
     # -- selecting -----------------------------------------------------------------------------
@@ -166,7 +168,7 @@ class Trace:
         unit, scale = _unit(self.end())
         lines = []
         if self.emulated is not None:
-            lines.append(describe(self.emulated))
+            lines.append(describe(self.emulated, self.meta))
         lines.append(f"rank  {'compute':>10} {'comm':>10} {'waited':>10} {'end':>10}  calls  "
                      f"p2p bytes sent   ({unit})")
         for r in range(self.world_size):
