@@ -223,14 +223,44 @@ def test_differently_written_answers_pass(capsys):
         return [torch.tensor([sum(float(t[r * per + i]) for t in inputs) for i in range(per)])
                 for r in range(ws)]
 
-    def gather_objects(tensor):              # the pickling route the chapter mentions
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, tensor)
-        return out
+    def gather_padded_by_hand(tensor):       # lengths as a tensor of all ranks, then one pad
+        n = dist.get_world_size()
+        lengths = torch.zeros(n, dtype=torch.long)
+        lengths[dist.get_rank()] = tensor.numel()
+        dist.all_reduce(lengths)
+        padded = torch.cat([tensor, tensor.new_zeros(int(lengths.max()) - tensor.numel())])
+        pieces = [torch.empty_like(padded) for _ in range(n)]
+        dist.all_gather(pieces, padded)
+        return [p[:int(k)] for p, k in zip(pieces, lengths)]
 
     ch02.check_predict_reduce_scatter(predict_by_loops)
-    ch02.check_all_gather_uneven(gather_objects)
+    ch02.check_all_gather_uneven(gather_padded_by_hand)
     assert capsys.readouterr().out.count("✅") == 2
+
+
+@pytest.mark.parametrize("collective", ["all_gather_object", "gather_then_broadcast"])
+def test_the_uneven_gather_refuses_object_collectives(collective):
+    def gather_objects(tensor):              # the pickling route: the exercise's work done for it
+        out = [None] * dist.get_world_size()
+        if collective == "all_gather_object":
+            from torch.distributed import all_gather_object
+            all_gather_object(out, tensor)
+        else:
+            dist.gather_object(tensor, out if dist.get_rank() == 0 else None, dst=0)
+            dist.broadcast_object_list(out, src=0)
+        return out
+
+    with pytest.raises(CheckFailed, match=r"your function used dist\.(all_gather|gather)_object, "
+                                          r"which pickles each tensor"):
+        ch02.check_all_gather_uneven(gather_objects)
+    # and the object collectives work again afterwards, outside the check
+    assert distlab.run(lambda rank, ws: _gathered_objects(ws), 2)[0] == [0, 1]
+
+
+def _gathered_objects(ws):
+    out = [None] * ws
+    dist.all_gather_object(out, dist.get_rank())
+    return out
 
 
 def test_stubs_give_one_line_not_implemented():

@@ -4,14 +4,15 @@ Predictions ("what does every rank hold after reduce_scatter?") are written by t
 plain single-process functions and compared with what the real collective returns on real
 ranks. `all_gather_uneven` runs on the ranks itself and is compared with the inputs it was given.
 """
+import contextlib
 import re
 
 import torch
 import torch.distributed as dist
 
 from ..launch import RunTimeout
-from . import (CheckFailed, RankFailed, UsedCourseCode, call_learner, compare, forbid, passed,
-               run, run_learner, sizes_phrase)
+from . import (CheckFailed, RankFailed, UsedCourseCode, _refusing_code, call_learner, compare,
+               forbid, passed, run, run_learner, sizes_phrase)
 
 WORLD_SIZES = (2, 3, 4)
 TIMEOUT = 20  # a learner's hang is reported, with where each rank waits, within this
@@ -97,8 +98,34 @@ def _uneven_inputs(world_size):
     return [torch.randn(n, generator=g) for n in lengths]
 
 
+def _object_collectives():
+    return (dist.all_gather_object, dist.gather_object, dist.broadcast_object_list,
+            dist.scatter_object_list)
+
+
+@contextlib.contextmanager
+def _no_object_collectives():
+    """Inside a rank: torch's object collectives raise UsedCourseCode with a sentence. They
+    pickle each tensor into a byte tensor and share lengths for it: the very work the exercise
+    asks for, done for any Python object (and slower: a copy, a pickle and a host sync each)."""
+    saved = []
+    for fn in _object_collectives():
+        message = (f"your function used dist.{fn.__name__}, which pickles each tensor and does "
+                   f"the length-sharing for you; the exercise is to gather the tensors "
+                   f"themselves with tensor collectives (share the lengths, pad, all_gather, "
+                   f"trim).")
+        saved.append((fn, fn.__code__))
+        fn.__code__ = _refusing_code(message, fn.__code__.co_freevars)
+    try:
+        yield
+    finally:
+        for fn, code in saved:
+            fn.__code__ = code
+
+
 def _run_uneven(rank, world_size, fn, inputs):
-    with forbid(*_references(), exercise="write the uneven all-gather yourself"):
+    with forbid(*_references(), exercise="write the uneven all-gather yourself"), \
+            _no_object_collectives():
         return fn(inputs[rank].clone())
 
 
