@@ -123,6 +123,17 @@ def test_a_wrong_optimizer_is_one_sentence_before_any_message(kwargs, error, mes
     assert str(e.value).startswith(message)
 
 
+@pytest.mark.parametrize("name, value", [
+    ("compute_dtype", "bf16"), ("compute_dtype", torch.int64), ("compute_dtype", 16),
+    ("reduce_dtype", "float32"), ("reduce_dtype", torch.int32), ("compute_dtype", torch.bool)])
+def test_a_wrong_compute_or_reduce_dtype_is_one_sentence_before_any_message(name, value):
+    with pytest.raises(ValueError) as e:
+        ZeRO(models.make_mlp(), 2, **{name: value})      # no process group needed to refuse
+    assert str(e.value) == (f"{name} must be None (the model's own dtype) or one of "
+                            f"torch.float16, torch.bfloat16, torch.float32, torch.float64; "
+                            f"got {value!r}.")
+
+
 # ---- any torch.optim class, with frozen, tied and unused parameters --------------------------------
 
 class TiedFrozenUnused(nn.Module):

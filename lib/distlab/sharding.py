@@ -45,6 +45,18 @@ def gather_flat(shard, numel, group=None):
     return torch.cat(parts)[:numel]
 
 
+# The dtypes a model can compute and reduce gradients in: float8 has no matmul or autograd on
+# the CPU, integers no gradients at all.
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_dtype(name, dtype):
+    """Refuse, before any rank communicates, a dtype that would fail deep inside a rank."""
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be None (the model's own dtype) or one of "
+                         f"{', '.join(map(str, _FLOAT_DTYPES))}; got {dtype!r}.")
+
+
 def _optimizer(optimizer=None, optimizer_class=None, lr=None, **defaults):
     """(class, keyword arguments) of the optimizer ZeRO builds on this rank's slices.
 
@@ -104,6 +116,8 @@ class ZeRO:
         if prefetch and stage != 3:
             raise ValueError(f"prefetch gathers the next layer's parameters, which only stage 3 "
                              f"shards; got prefetch=True with stage {stage}.")
+        for name, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
+            _check_dtype(name, dtype)
         self.prefetch, self._pending = prefetch, {}
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype if reduce_dtype is not None else compute_dtype
