@@ -1,6 +1,7 @@
 """DCP checkpoints of distlab.train: Adam's state and the data position survive a stop, a kill -9
 and a change of layout, bit for bit; a checkpoint of another model or dtype is refused."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,8 +22,16 @@ def run_here(*options):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    return run_here("--dp", 1, "--pp", 1, "--tp", 2, "--ckpt", tmp_path_factory.mktemp("whole"))
+def whole_folder(tmp_path_factory):
+    """The checkpoint folder of the uninterrupted run (tp=2: two rank files); only read."""
+    folder = tmp_path_factory.mktemp("whole")
+    run_here("--dp", 1, "--pp", 1, "--tp", 2, "--ckpt", folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(whole_folder):
+    return checkpoint.read(whole_folder)
 
 
 def test_the_written_adam_is_torchs_adam_bit_for_bit():
@@ -195,3 +204,52 @@ def test_a_save_killed_inside_the_write_leaves_the_previous_checkpoint_whole(
     resumed = run_here(*layout)
     assert resumed["meta"]["losses"] == uninterrupted["meta"]["losses"]
     assert sorted(os.listdir(tmp_path)) == ["latest", checkpoint.latest(str(tmp_path)).rpartition("/")[2]]
+
+
+# ---- a damaged checkpoint is one sentence, not a traceback from DCP or pickle ------------------------
+
+def _rank_file(folder):
+    return os.path.join(folder, "step-000004", "__1_0.distcp")     # rank 1's part (tp=2)
+
+
+DAMAGE = {   # what is done to a good checkpoint in <ckpt>, and the sentence that must follow
+    "latest is empty": (lambda f: open(os.path.join(f, "latest"), "w").close(),
+                        "{f}/latest is empty, so it names no checkpoint; write the name of a "
+                        "complete step folder into it, or "),
+    "no step folder": (lambda f: shutil.rmtree(os.path.join(f, "step-000004")),
+                       "{f}/latest names step-000004, but {f} has no such folder; "),
+    "no metadata": (lambda f: os.remove(os.path.join(f, "step-000004", ".metadata")),
+                    "{f}/step-000004 has no .metadata file, so the save that wrote it never "
+                    "finished; "),
+    "garbage metadata": (lambda f: open(os.path.join(f, "step-000004", ".metadata"), "wb").write(
+                         b"not a pickle"),
+                         "{f}/step-000004/.metadata is not DCP metadata (UnpicklingError reading "
+                         "it); "),
+    "a rank file missing": (lambda f: os.remove(_rank_file(f)),
+                            "{f}/step-000004 lacks __1_0.distcp, one of the rank files its "
+                            ".metadata lists; "),
+    "a rank file cut short": (lambda f: os.truncate(_rank_file(f), 100),
+                              "{f}/step-000004/__1_0.distcp is cut short (100 of the "),
+    "a rank file of garbage": (lambda f: open(_rank_file(f), "r+b").write(b"\0" * 64),
+                               "{f}/step-000004 holds a rank file that cannot be read ("),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_refused_in_one_sentence_naming_what_is_missing(
+        whole_folder, tmp_path, damage):
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(whole_folder, folder)
+    harm, start = DAMAGE[damage]
+    harm(folder)
+    start = start.format(f=folder)
+    args = train.parse(COMMON + ["--dp", "1", "--pp", "1", "--tp", "1", "--ckpt", folder])
+    with pytest.raises(SystemExit) as e:
+        train._launch_here(args)             # python -m distlab.train: ranks started here
+    message = e.value.code
+    assert isinstance(message, str) and message.startswith(start), message
+    assert message.endswith("resume from another checkpoint, or start with another --ckpt "
+                            "folder.") and "\n" not in message, message
+    with pytest.raises(checkpoint.BrokenCheckpoint) as e:
+        checkpoint.read(folder)              # the same sentence in one process
+    assert str(e.value) == message

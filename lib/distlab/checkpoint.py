@@ -36,17 +36,75 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .parallel3d import _unshard
 
 
+class BrokenCheckpoint(ValueError):
+    """A checkpoint that cannot be read; the message is one sentence naming what is missing."""
+
+
+_ELSE = "resume from another checkpoint, or start with another --ckpt folder."
+
+
 def latest(folder):
-    """The path of the newest complete checkpoint in `folder`, or None."""
+    """The path of the newest complete checkpoint in `folder`, or None if no save finished there.
+
+    Raises BrokenCheckpoint when <folder>/latest exists but names nothing, or a missing folder.
+    """
     pointer = os.path.join(folder, "latest")
     if not os.path.exists(pointer):
         return None
     with open(pointer) as f:
-        return os.path.join(folder, f.read().strip())
+        name = f.read().strip()
+    if not name:
+        raise BrokenCheckpoint(f"{pointer} is empty, so it names no checkpoint; write the name "
+                               f"of a complete step folder into it, or {_ELSE}")
+    if not os.path.isdir(os.path.join(folder, name)):
+        raise BrokenCheckpoint(f"{pointer} names {name}, but {folder} has no such folder; {_ELSE}")
+    return os.path.join(folder, name)
+
+
+def damage(path):
+    """A sentence saying what is missing or cut short in the checkpoint at `path`, or None.
+
+    Reads only the metadata and the sizes of the files it lists, so every rank can check before
+    any collective read: DCP and pickle would otherwise fail with pages of traceback, or on some
+    ranks only.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+    if not os.path.isdir(path):
+        return f"there is no checkpoint folder {path}; {_ELSE}"
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        return (f"{path} has no .metadata file, so the save that wrote it never finished; "
+                f"{_ELSE}")
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:                # garbage unpickles into any error; say which
+        return f"{path}/.metadata is not DCP metadata ({type(e).__name__} reading it); {_ELSE}"
+    if not isinstance(metadata, Metadata) or "meta" not in metadata.state_dict_metadata:
+        return f"{path}/.metadata is not the metadata of a distlab checkpoint; {_ELSE}"
+    needed = {}                           # file -> bytes its entries reach
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            return f"{path} lacks {name}, one of the rank files its .metadata lists; {_ELSE}"
+        if os.path.getsize(file) < size:
+            return (f"{file} is cut short ({os.path.getsize(file)} of the {size} bytes its "
+                    f".metadata lists); {_ELSE}")
+    return None
+
+
+def _unreadable(path, error):
+    """BrokenCheckpoint for a file DCP could not read although its size was right."""
+    failures = getattr(error, "failures", None)
+    cause = next(iter(failures.values()))[0] if failures else error
+    return BrokenCheckpoint(f"{path} holds a rank file that cannot be read ({type(cause).__name__}: "
+                            f"{str(cause).splitlines()[0] if str(cause) else 'no detail'}); {_ELSE}")
 
 
 def _dense(stage, mesh, local):
@@ -165,7 +223,10 @@ def load(path, stage, mesh, optimizer=None):
     if has_rng:
         want[rng] = torch.get_rng_state()
     want["meta"] = ""
-    dcp.load(want, checkpoint_id=path)          # reads only the keys asked for
+    try:
+        dcp.load(want, checkpoint_id=path)      # reads only the keys asked for
+    except CheckpointException as e:            # on every rank: DCP gathers the failures
+        raise _unreadable(path, e) from None
     with torch.no_grad():
         for name, p in params.items():
             full = stage.dense_name(name)
@@ -198,9 +259,15 @@ def read(folder_or_path):
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     import warnings
     path = latest(folder_or_path) or folder_or_path
+    why = damage(path)
+    if why:
+        raise BrokenCheckpoint(why)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # "assuming ... a single process": yes
-        flat = _load_state_dict_from_keys(checkpoint_id=path)
+        try:
+            flat = _load_state_dict_from_keys(checkpoint_id=path)
+        except (Exception, CheckpointException) as e:
+            raise _unreadable(path, e) from None
     out = {"meta": json.loads(flat.pop("meta")), "model": {}, "optim": {}, "rng": {}}
     for k, v in flat.items():
         group, _, rest = k.partition(".")

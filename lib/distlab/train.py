@@ -130,14 +130,20 @@ def save(stage, mesh, args, step, losses, optimizer):
 
 def load(args, model, stage, mesh, optimizer):
     """(first step, losses so far): from the newest checkpoint, if there is one (collective)."""
-    path = ckpt.latest(args.ckpt) if args.ckpt else None
+    try:
+        path = ckpt.latest(args.ckpt) if args.ckpt else None
+    except ckpt.BrokenCheckpoint as e:      # an empty latest, or one naming a missing folder
+        refuse(str(e))
     if path is None:
         return 0, []
     # Every rank reads the same small metadata file, so they all refuse together or not at all.
-    why = ckpt.mismatch(path, model, optimizer)
+    why = ckpt.damage(path) or ckpt.mismatch(path, model, optimizer)
     if why:
         refuse(why)
-    meta = ckpt.load(path, stage, mesh, optimizer)
+    try:
+        meta = ckpt.load(path, stage, mesh, optimizer)
+    except ckpt.BrokenCheckpoint as e:      # a rank file of the right size, but garbage
+        refuse(str(e))
     log(f"resumed from {path} at step {meta['step']}")
     return meta["step"], meta["losses"]
 
