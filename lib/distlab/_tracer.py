@@ -149,9 +149,9 @@ class TracedWork(dist.Work):
     def wait(self, timeout=None):
         if self._finished:
             return True
-        called = self._recorder.now()
+        called, seen = self._recorder.now(), self._recorder._marker()
         ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
-        self._recorder.finish(self._event, self._inner, called)
+        self._recorder.finish(self._event, self._inner, called, seen)
         self._finished = True
         return ok
 
@@ -210,8 +210,10 @@ class _DeviceMode(TorchDispatchMode):
             name = func.__name__.split(".")[0]
             if not rec.inside and not name.startswith(("wait", "barrier")):
                 rec.native(_NATIVE.get(name, name), _nbytes(args), _dtype(args))
-        elif rec.clock is not None and not getattr(func, "is_view", False):
-            rec.charge(func, args, kwargs, out)
+        elif not getattr(func, "is_view", False):
+            rec.ops += not rec.inside       # work done between a launch and its wait, plainly too
+            if rec.clock is not None:
+                rec.charge(func, args, kwargs, out)
         return out
 
 
@@ -238,6 +240,7 @@ class Recorder:
         self.rank, self.clock = rank, clock
         self.events, self.spans = [], []
         self.inside = False          # inside a wrapped call: its c10d op is not recorded twice
+        self.ops = 0                 # tensor ops outside communication calls (compute, copies)
         self.meta = False            # the rank computed or communicated on meta tensors
         self.t0 = time.monotonic()
         self._ranks = {}
@@ -251,9 +254,10 @@ class Recorder:
         return self.clock.now if self.clock is not None else time.monotonic() - self.t0
 
     def _marker(self, now=None):
-        """What changes when the rank does anything: its virtual clock, its events and spans."""
+        """What changes when the rank does anything: its virtual clock, its events and spans, and
+        (measured or emulated alike) the tensor ops it ran."""
         clock = None if self.clock is None else (self.now() if now is None else now)
-        return clock, len(self.events), len(self.spans)
+        return clock, len(self.events), len(self.spans), self.ops
 
     # -- compute -----------------------------------------------------------------------------
     def charge(self, func, args, kwargs, out):
@@ -372,12 +376,13 @@ class Recorder:
                                  "dist.recv(t, src=...).")
         return True
 
-    def finish(self, event, inner, called=None):
-        """The caller waits for `event`: on the virtual clock, until its modeled completion."""
+    def finish(self, event, inner, called=None, seen=None):
+        """The caller waits for `event`: on the virtual clock, until its modeled completion.
+        `seen`: the rank's marker when it called wait() (what the wait itself did not count)."""
         marker = event.pop("_marker", None)
         called = self.now() if called is None else called
         # Async: the caller did something else between launching and waiting.
-        event["async_op"] = marker != self._marker(called)
+        event["async_op"] = marker != (self._marker(called) if seen is None else seen)
         if event["op"] == "recv" and event["peer"] is None and inner is not None:
             event["peer"] = event["group"][inner._source_rank()]
         if self.clock is not None:
