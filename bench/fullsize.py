@@ -17,7 +17,11 @@ time to a closed form: the block's matmul and attention FLOPs at the device's mo
 (distlab.emulate's Device.seconds) plus the four all-reduces of the activations (two forward,
 two backward) at the link's modeled time (comm_seconds). The emulated run also pays what the
 closed form leaves out: the memory-bound ops (norms, rotary embeddings, SwiGLU's product,
-residual adds, copies), each at its modeled time.
+residual adds, copies), each at its modeled time. The ratio grows with the degree because
+tensor parallelism splits the matmuls but not those ops: the norms and residual adds work on the
+whole (replicated) activations on every rank, which sequence parallelism would split. On the
+legacy h100-nvlink preset this prints about 5.7 / 4.1 / 3.3 ms at tp 2 / 4 / 8, 1.7-2.3 times
+the closed form.
 
     python bench/fullsize.py [--preset h100-nvlink] [--tp 2,4,8] [--tokens 4096]
 """
