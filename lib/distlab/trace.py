@@ -7,6 +7,11 @@
     t.matrix()               # bytes sent from each rank to each rank by point-to-point calls
     print(t.summary())       # per rank: compute, communication, time waited, messages, bytes
     distlab.viz.trace.timeline(t)   # a per-rank timeline of compute / communication / waiting
+    t.overlap(rank=0)        # communication hidden behind compute, exposed, idle (HTA's terms)
+    t.to_chrome("run.json")  # open in https://ui.perfetto.dev or chrome://tracing
+
+A real job's torch.profiler traces come back as a Trace too:
+`distlab.profiler_trace.from_profiler("traces/")`.
 
 Each communication event is a dict: `op` (all_reduce, all_gather, reduce_scatter, broadcast,
 reduce, all_to_all, gather, scatter, barrier, send, recv), `group` (the global ranks of its
