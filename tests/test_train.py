@@ -123,3 +123,20 @@ def test_a_checkpoint_resumes_only_in_its_own_dtype(tmp_path):
     assert e.value.code == (
         f"{tmp_path / 'step-000002'} was saved in float32, so it cannot continue the same run "
         f"in float64; resume with --dtype float32, or start with another --ckpt folder.")
+
+
+@pytest.mark.parametrize("saved, resumed, option", [
+    (["--optim", "sgd"], ["--optim", "adam"], "optim"), (["--optim", "adam"], ["--optim", "sgd"], "optim"),
+    ([], ["--seed", "1"], "seed"), ([], ["--batch", "4"], "batch")])
+def test_a_resume_with_another_optimizer_seed_or_batch_is_refused_in_one_sentence(
+        tmp_path, capsys, saved, resumed, option):
+    one_rank = ["--dp", "1", "--pp", "1", "--tp", "1", "--layers", "1", "--ckpt", str(tmp_path)]
+    here(capsys, *one_rank, *saved, "--stop-after", "0")            # saves step 1
+    args = train.parse(["--dtype", "float64", "--steps", "5", *one_rank, *saved, *resumed])
+    was = vars(train.parse(["--dtype", "float64", *saved]))[option]
+    with pytest.raises(SystemExit) as e:
+        train._launch_here(args)
+    assert e.value.code == (
+        f"{tmp_path / 'step-000001'} was saved with --{option} {was}, so it cannot continue the "
+        f"same run with --{option} {resumed[-1]}; resume with --{option} {was}, or start with "
+        f"another --ckpt folder.")

@@ -205,6 +205,16 @@ def mismatch(path, dense_model, optimizer=None):
     return None
 
 
+def read_meta(path):
+    """Collective: the meta of the checkpoint at `path` alone (step, losses, the run's settings)."""
+    want = {"meta": ""}
+    try:
+        dcp.load(want, checkpoint_id=path)
+    except CheckpointException as e:
+        raise _unreadable(path, e) from None
+    return json.loads(want["meta"])
+
+
 def load(path, stage, mesh, optimizer=None):
     """Collective: fill this rank's shards (and Adam's) from the checkpoint at `path`; its meta."""
     params = dict(stage.named_parameters())

@@ -124,7 +124,7 @@ def save(stage, mesh, args, step, losses, optimizer):
     """Collective: every rank writes its part of the run at `step` (see distlab.checkpoint)."""
     path = ckpt.save(args.ckpt, step, stage, mesh, optimizer,
                      dict(losses=losses, next_sample=step * args.batch, config=CONFIG,
-                          layers=args.layers, seed=args.seed, optim=args.optim))
+                          layers=args.layers, seed=args.seed, optim=args.optim, batch=args.batch))
     log(f"saved step {step} to {path}")
 
 
@@ -137,15 +137,37 @@ def load(args, model, stage, mesh, optimizer):
     if path is None:
         return 0, []
     # Every rank reads the same small metadata file, so they all refuse together or not at all.
-    why = ckpt.damage(path) or ckpt.mismatch(path, model, optimizer)
+    why = ckpt.damage(path)
     if why:
         refuse(why)
     try:
+        why = another_run(path, ckpt.read_meta(path), args) or ckpt.mismatch(path, model, optimizer)
+        if why:
+            refuse(why)
         meta = ckpt.load(path, stage, mesh, optimizer)
     except ckpt.BrokenCheckpoint as e:      # a rank file of the right size, but garbage
         refuse(str(e))
     log(f"resumed from {path} at step {meta['step']}")
     return meta["step"], meta["losses"]
+
+
+def another_run(path, meta, args):
+    """A sentence if the run saved at `path` had another --optim, --seed or --batch, else None.
+
+    Each changes what the steps after the resume compute (Adam's moments, the data and the
+    initial weights the losses so far came from, the batch of each step), so the resumed run
+    would be neither the saved run nor a fresh one.
+    """
+    saved = dict(meta)
+    if "batch" not in saved and saved.get("step") and "next_sample" in saved:
+        saved["batch"] = saved["next_sample"] // saved["step"]      # saved before meta had it
+    for option in ("optim", "seed", "batch"):
+        was, now = saved.get(option), getattr(args, option)
+        if was is not None and was != now:
+            return (f"{path} was saved with --{option} {was}, so it cannot continue the same run "
+                    f"with --{option} {now}; resume with --{option} {was}, or start with another "
+                    f"--ckpt folder.")
+    return None
 
 
 def pick_backend():
