@@ -89,13 +89,13 @@ def test_no_option_is_a_prefix_of_a_torchrun_option():
 
 def test_a_layout_that_does_not_match_the_ranks_is_refused(tmp_path):
     two = [a if a != "--nproc-per-node=4" else "--nproc-per-node=2" for a in TORCHRUN]
-    done = subprocess.run(two + ["--dp", "3", "--pp", "1", "--tp", "1"], capture_output=True,
+    done = subprocess.run(two + ["--dp", "4", "--pp", "1", "--tp", "1"], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode != 0
     out = done.stdout + done.stderr
     # Once, from rank 0 - not once per rank, interleaved - and no traceback through our code
     # (torchrun's own report of the failed rank follows; it is torchrun's to print).
-    assert out.count("--dp 3 x --pp 1 x --tp 1 = 3 ranks, but 2 were started.") == 1, out
+    assert out.count("--dp 4 x --pp 1 x --tp 1 = 4 ranks, but 2 were started.") == 1, out
     assert "distlab/train.py" not in out and "SystemExit" not in out, out
 
 
@@ -140,3 +140,23 @@ def test_a_resume_with_another_optimizer_seed_or_batch_is_refused_in_one_sentenc
         f"{tmp_path / 'step-000001'} was saved with --{option} {was}, so it cannot continue the "
         f"same run with --{option} {resumed[-1]}; resume with --{option} {was}, or start with "
         f"another --ckpt folder.")
+
+
+@pytest.mark.parametrize("options, error", [
+    (["--micro", "0"], "argument --micro: must be at least 1; got 0"),
+    (["--lr", "nan"], "argument --lr: must be a positive, finite number; got nan"),
+    (["--lr", "inf"], "argument --lr: must be a positive, finite number; got inf"),
+    (["--lr", "-0.1"], "argument --lr: must be a positive, finite number; got -0.1"),
+    (["--steps", "-2"], "argument --steps: must be at least 0; got -2"),
+    (["--dp", "0"], "argument --dp: must be at least 1; got 0"),
+    (["--batch", "2.5"], "argument --batch: must be a whole number; got '2.5'"),
+    (["--save-every", "-1"], "argument --save-every: must be at least 0; got -1"),
+    (["--dp", "3"], "--batch 8 does not split into --dp 3 x --micro 2 equal micro-batches"),
+    (["--pp", "5"], "--pp 5 needs at least 5 blocks (one per stage); got --layers 4"),
+    (["--tp", "3"], "--tp 3 does not divide the model's 2 attention heads"),
+])
+def test_nonsense_options_are_refused_in_one_argparse_sentence(options, error, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse(options)
+    assert e.value.code == 2                                  # argparse's usage error
+    assert capsys.readouterr().err.splitlines()[-1] == f"python -m distlab.train: error: {error}"

@@ -30,6 +30,7 @@ The script's options are chosen so that none is a prefix of one of torchrun's (t
 abbreviations: a script option `--n` would be taken as ambiguous torchrun option).
 """
 import argparse
+import math
 import os
 import signal
 import sys
@@ -45,36 +46,72 @@ from .models import batches_of, make_gpt, token_data
 CONFIG = dict(vocab=32, d_model=16, n_heads=2, seq_len=8)
 
 
+def _at_least(low):
+    """An argparse type: a whole number >= low (argparse turns the ValueError into its error)."""
+    def whole(text):
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number; got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}; got {n}")
+        return n
+    return whole
+
+
+def _learning_rate(text):
+    """A positive, finite float: float() also reads 'nan' and 'inf', which would train NaNs."""
+    try:
+        lr = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number; got {text!r}") from None
+    if not (math.isfinite(lr) and lr > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number; got {text}")
+    return lr
+
+
 def parser():
     ap = argparse.ArgumentParser(prog="python -m distlab.train", description=__doc__.split("\n")[0],
                                  allow_abbrev=False)
-    ap.add_argument("--dp", type=int, default=2, help="data-parallel replicas")
-    ap.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per stage")
-    ap.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    ap.add_argument("--steps", type=int, default=6, help="total optimizer steps of the run")
-    ap.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
-    ap.add_argument("--micro", type=int, default=2, help="micro-batches per data-parallel rank")
+    ap.add_argument("--dp", type=_at_least(1), default=2, help="data-parallel replicas")
+    ap.add_argument("--pp", type=_at_least(1), default=1, help="pipeline stages")
+    ap.add_argument("--tp", type=_at_least(1), default=2, help="tensor-parallel ranks per stage")
+    ap.add_argument("--layers", type=_at_least(1), default=4, help="transformer blocks")
+    ap.add_argument("--steps", type=_at_least(0), default=6, help="total optimizer steps of the run")
+    ap.add_argument("--batch", type=_at_least(1), default=8, help="global batch, in sequences")
+    ap.add_argument("--micro", type=_at_least(1), default=2,
+                    help="micro-batches per data-parallel rank")
     ap.add_argument("--optim", choices=("sgd", "adam"), default="sgd",
                     help="plain SGD, or Adam (whose moments the checkpoint also holds)")
-    ap.add_argument("--lr", type=float, default=0.1, help="learning rate")
+    ap.add_argument("--lr", type=_learning_rate, default=0.1, help="learning rate")
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the model's initial weights and of the data")
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                     help="precision of weights, activations and gradients (a run resumes in "
                          "the precision it was saved in)")
     ap.add_argument("--ckpt", default=None, help="folder of the checkpoint (resume from it)")
-    ap.add_argument("--save-every", type=int, default=0, help="also save every k steps")
-    ap.add_argument("--stop-after", type=int, default=None,
+    ap.add_argument("--save-every", type=_at_least(0), default=0, help="also save every k steps")
+    ap.add_argument("--stop-after", type=_at_least(0), default=None,
                     help="stop after this step, as if the job were preempted (to try resuming)")
-    ap.add_argument("--kill-at", type=int, default=None,
+    ap.add_argument("--kill-at", type=_at_least(0), default=None,
                     help="on the first attempt only (TORCHELASTIC_RESTART_COUNT=0), the last "
                          "rank kills itself with SIGKILL before this step: a crash to restart from")
     return ap
 
 
 def parse(argv=None):
-    return parser().parse_args(argv)
+    """The options, checked together as well: what would otherwise fail inside every rank."""
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.batch % (args.dp * args.micro):
+        ap.error(f"--batch {args.batch} does not split into --dp {args.dp} x --micro "
+                 f"{args.micro} equal micro-batches")
+    if args.pp > args.layers:
+        ap.error(f"--pp {args.pp} needs at least {args.pp} blocks (one per stage); got "
+                 f"--layers {args.layers}")
+    if CONFIG["n_heads"] % args.tp:
+        ap.error(f"--tp {args.tp} does not divide the model's {CONFIG['n_heads']} attention heads")
+    return args
 
 
 def log(*words):
