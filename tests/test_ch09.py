@@ -1,5 +1,8 @@
-"""Workbook 09's checkers: right answers pass however they are written; wrong scaling, missing
-renormalisation, communication where none belongs and the course's own code are refused."""
+"""Workbook 09's checkers: right answers pass however they are written; the chapter's own rules
+where the exercise asks for another, naive numerics, wrong groups and divisors, decoy collectives
+and the course's own code are refused, each with a sentence that names what broke."""
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,163 +13,324 @@ from distlab import moe as moe_lib
 from distlab.checks import CheckFailed, ch09
 
 
-# ---- the router's top-k gates -------------------------------------------------------------------
+# ---- exercise 1: batch-prioritized capacity ---------------------------------------------------------
 
-def top_k_gates(logits, k):                       # as the workbook's solution
-    probs = logits.softmax(dim=-1)
+def _top_k(probs, k):
     gates, experts = probs.topk(k, dim=-1)
     if k > 1:
         gates = gates / gates.sum(dim=-1, keepdim=True)
     return experts, gates
 
 
-def top_k_softmax_of_chosen(logits, k):           # differently written: softmax over the k logits
-    chosen, experts = logits.topk(k, dim=-1)
-    if k == 1:
-        return experts, logits.softmax(-1).gather(1, experts)
-    return experts, chosen.softmax(dim=-1)
+def route_loops(logits, k, capacity_factor):                 # as the workbook's solution
+    probs = logits.softmax(dim=-1)
+    experts, gates = _top_k(probs, k)
+    T, E = probs.shape
+    keep = torch.ones_like(experts, dtype=torch.bool)
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * T * k / E)
+        order = torch.sort(probs.detach().max(-1).values, descending=True, stable=True).indices
+        filled = [0] * E
+        for slot in range(k):
+            for t in order.tolist():
+                keep[t, slot] = filled[int(experts[t, slot])] < capacity
+                filled[int(experts[t, slot])] += 1
+    return experts, gates, keep
 
 
-def top_k_not_renormalised(logits, k):
-    gates, experts = logits.softmax(-1).topk(k, dim=-1)
-    return experts, gates
+def route_vectorised(logits, k, capacity_factor):            # differently written: no loops
+    probs = F.softmax(logits - logits.max(-1, keepdim=True).values, dim=-1)
+    experts, gates = _top_k(probs, k)
+    T, E = probs.shape
+    if capacity_factor is None:
+        return experts, gates, torch.ones(T, k, dtype=torch.bool)
+    capacity = math.ceil(capacity_factor * T * k / E)
+    order = torch.argsort(-probs.detach().amax(-1), stable=True)
+    queue = experts[order].t().reshape(-1)                   # slot-major, by priority
+    one_hot = F.one_hot(queue, E)
+    place = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1).view(k, T).t()
+    keep = torch.empty(T, k, dtype=torch.bool)
+    keep[order] = place < capacity
+    return experts, gates, keep
 
 
-def top_k_always_renormalised(logits, k):
-    gates, experts = logits.softmax(-1).topk(k, dim=-1)
-    return experts, gates / gates.sum(-1, keepdim=True)
+def route_token_order(logits, k, capacity_factor):           # the chapter's rule
+    probs = logits.softmax(dim=-1)
+    experts, gates = _top_k(probs, k)
+    cap = None if capacity_factor is None else math.ceil(capacity_factor * len(logits) * k
+                                                         / logits.shape[-1])
+    return experts, gates, _token_order_keep(experts, logits.shape[-1], cap)
 
 
-def top_k_course(logits, k):
-    r = moe_lib.route(logits, k)
-    return r.experts, r.gates
+def _token_order_keep(experts, n_experts, capacity):
+    if capacity is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    one_hot = F.one_hot(experts.t().reshape(-1), n_experts)
+    place = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1)
+    return (place < capacity).view(experts.shape[1], -1).t()
 
 
-def test_top_k_gates():
-    ch09.check_top_k_gates(top_k_gates)
-    ch09.check_top_k_gates(top_k_softmax_of_chosen)
-    with pytest.raises(CheckFailed, match=r"k=2: token \d's 2 gates sum to .*renormalise"):
-        ch09.check_top_k_gates(top_k_not_renormalised)
-    with pytest.raises(CheckFailed, match=r"k=1: every gate is 1.0 .*no gradient"):
-        ch09.check_top_k_gates(top_k_always_renormalised)
-    with pytest.raises(CheckFailed, match=r"course's own route"):
-        ch09.check_top_k_gates(top_k_course)
+def route_naive_softmax(logits, k, capacity_factor):
+    e = logits.exp()
+    probs = e / e.sum(-1, keepdim=True)
+    _, gates, keep = route_loops(logits, k, capacity_factor)
+    experts, gates = _top_k(probs, k)
+    return experts, gates, keep
 
 
-# ---- the Switch auxiliary loss -------------------------------------------------------------------
-
-def switch_aux_loss(probs, experts):              # as the workbook's solution
-    n_experts = probs.shape[1]
-    f = torch.bincount(experts.reshape(-1), minlength=n_experts).to(probs.dtype) / experts.numel()
-    return n_experts * (f * probs.mean(dim=0)).sum()
-
-
-def aux_one_hot(probs, experts):                  # differently written: one-hot means
-    n_experts = probs.shape[1]
-    f = F.one_hot(experts, n_experts).to(probs.dtype).sum(1).mean(0) / experts.shape[1]
-    return n_experts * torch.dot(f, probs.mean(0))
-
-
-def aux_unscaled(probs, experts):
-    return switch_aux_loss(probs, experts) / probs.shape[1]
+def route_by_own_slot_gate(logits, k, capacity_factor):     # priority per slot by that slot's gate
+    probs = logits.softmax(dim=-1)
+    experts, gates = _top_k(probs, k)
+    T, E = probs.shape
+    keep = torch.ones_like(experts, dtype=torch.bool)
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * T * k / E)
+        filled = [0] * E
+        for slot in range(k):
+            for t in torch.sort(gates[:, slot].detach(), descending=True, stable=True).indices:
+                keep[t, slot] = filled[int(experts[t, slot])] < capacity
+                filled[int(experts[t, slot])] += 1
+    return experts, gates, keep
 
 
-def aux_per_token(probs, experts):
-    n_experts = probs.shape[1]
-    f = torch.bincount(experts.reshape(-1), minlength=n_experts).to(probs.dtype) / len(experts)
-    return n_experts * (f * probs.mean(dim=0)).sum()
+def route_detached(logits, k, capacity_factor):
+    experts, gates, keep = route_loops(logits, k, capacity_factor)
+    return experts, gates.detach(), keep
 
 
-def aux_soft_f(probs, experts):                   # f from the probabilities: a gradient through f
-    p = probs.mean(0)
-    return probs.shape[1] * (p * p).sum() + 0 * experts.sum()
+def route_course(logits, k, capacity_factor):                # the course's route, then own keep
+    r = moe_lib.route(logits, k, None)
+    return r.experts, r.gates, route_loops(logits, k, capacity_factor)[2]
 
 
-def aux_course(probs, experts):
-    return moe_lib.load_balancing_loss(moe_lib.Routing(probs, experts, None, None, None))
+def route_reference(logits, k, capacity_factor):             # the checker's own reference
+    _, experts, gates, keep, _, _ = ch09._reference_route(logits, k, capacity_factor)
+    return experts, gates, keep
 
 
-def test_switch_aux_loss():
-    ch09.check_switch_aux_loss(switch_aux_loss)
-    ch09.check_switch_aux_loss(aux_one_hot)
-    with pytest.raises(CheckFailed, match=r"uniform router .*expected 1, got 0.25 — 0.25× the "
-                                          r"right value: multiply by E = 4"):
-        ch09.check_switch_aux_loss(aux_unscaled)
-    with pytest.raises(CheckFailed, match=r"top-2: expected .* 2× the right value: f_e is the "
-                                          r"fraction of the T·k = 20 assignments"):
-        ch09.check_switch_aux_loss(aux_per_token)
-    with pytest.raises(CheckFailed, match=r"gradient of the probabilities.*f_e is a count of choices"):
-        ch09.check_switch_aux_loss(aux_soft_f)
-    with pytest.raises(CheckFailed, match=r"course's own load_balancing_loss"):
-        ch09.check_switch_aux_loss(aux_course)
+def test_prioritized_route_accepts_right_answers():
+    ch09.check_prioritized_route(route_loops, world_sizes=(2,))
+    ch09.check_prioritized_route(route_vectorised, world_sizes=(3,))
 
 
-# ---- dispatch plan and combine, in the layer on real ranks -----------------------------------------
+def test_prioritized_route_refuses_wrong_ones():
+    with pytest.raises(CheckFailed, match=r"your keep is the chapter's rule \(earlier tokens "
+                                          r"first\); batch-prioritized routing .* token \d+'s "
+                                          r"choice \d"):
+        ch09.check_prioritized_route(route_token_order, world_sizes=(2,))
+    with pytest.raises(CheckFailed, match=r"float32 logits near 100.*token \d+'s gates are nan: "
+                                          r"exp of a logit near \d+ overflows float32"):
+        ch09.check_prioritized_route(route_naive_softmax, world_sizes=(2,))
+    with pytest.raises(CheckFailed, match=r"token \d+'s choice 2 \(expert \d\) was (kept|dropped)"
+                                          r".*top-1 probability"):
+        ch09.check_prioritized_route(route_by_own_slot_gate, world_sizes=(2,))
+    with pytest.raises(CheckFailed, match=r"gates carry no gradient back to the logits"):
+        ch09.check_prioritized_route(route_detached, world_sizes=(2,))
+    with pytest.raises(CheckFailed, match=r"course's own route; the exercise is to write the "
+                                          r"prioritized routing yourself"):
+        ch09.check_prioritized_route(route_course, world_sizes=(2,))
+    with pytest.raises(CheckFailed, match=r"course's own _reference_route"):
+        ch09.check_prioritized_route(route_reference, world_sizes=(2,))
 
-def plan_sorted_keys(experts, keep, n_experts, ep_size):       # differently written
+
+# ---- exercise 2: the capacity of the whole EP group ---------------------------------------------------
+
+def group_keep_counts(experts, n_experts, capacity_factor, group):    # as the workbook's solution
     T, k = experts.shape
-    flat, kept = experts.reshape(-1), keep.reshape(-1)
-    index = torch.arange(T * k)
-    key = flat * (T * k) + index                               # expert first, then position
-    order = index[kept][torch.sort(key[kept]).indices]
-    per_rank = n_experts // ep_size
-    splits = [int(((flat[order] // per_rank) == j).sum()) for j in range(ep_size)]
-    return order, splits
+    counts = torch.stack([torch.bincount(experts[:, s], minlength=n_experts) for s in range(k)])
+    everyone = [torch.empty_like(counts) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, counts, group=group)
+    everyone = torch.stack(everyone)                                   # [rank, slot, expert]
+    me = dist.get_rank(group)
+    capacity = math.ceil(capacity_factor * int(everyone[:, 0].sum()) * k / n_experts)
+    keep = torch.empty_like(experts, dtype=torch.bool)
+    for s in range(k):
+        ahead = everyone[:, :s].sum(dim=(0, 1)) + everyone[:me, s].sum(0)
+        one_hot = F.one_hot(experts[:, s], n_experts)
+        keep[:, s] = ahead[experts[:, s]] + (one_hot.cumsum(0) * one_hot).sum(-1) - 1 < capacity
+    return keep
 
 
-def plan_that_gathers_loads(experts, keep, n_experts, ep_size):
-    # "every rank must know the global load": an all_gather the layer's count exchange makes
-    # unnecessary
-    if dist.is_initialized():
-        loads = [torch.empty(n_experts, dtype=torch.long) for _ in range(dist.get_world_size())]
-        dist.all_gather(loads, torch.bincount(experts[keep], minlength=n_experts))
-    return plan_sorted_keys(experts, keep, n_experts, ep_size)
+def _gather_all(experts, group):
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, experts, group=group)
+    return everyone
 
 
-def plan_course(experts, keep, n_experts, ep_size):
-    return ep_lib.dispatch_plan(experts, keep, n_experts, ep_size)
+def group_keep_gather_everything(experts, n_experts, capacity_factor, group):   # differently
+    everyone = _gather_all(experts, group)
+    me, k = dist.get_rank(group), experts.shape[1]
+    capacity = math.ceil(capacity_factor * sum(len(e) for e in everyone) * k / n_experts)
+    filled, keep = [0] * n_experts, torch.empty_like(experts, dtype=torch.bool)
+    for slot in range(k):
+        for r, theirs in enumerate(everyone):
+            for t in range(len(theirs)):
+                e = int(theirs[t, slot])
+                if r == me:
+                    keep[t, slot] = filled[e] < capacity
+                filled[e] += 1
+    return keep
 
 
-def combine_scatter(expert_out, token, gate, n_tokens):      # differently written
-    index = token.unsqueeze(-1).expand_as(expert_out)
-    return torch.zeros(n_tokens, expert_out.shape[1], dtype=expert_out.dtype).scatter_add(
-        0, index, expert_out * gate.unsqueeze(-1))
+def group_keep_local(experts, n_experts, capacity_factor, group):   # the chapter's per-rank rule
+    cap = math.ceil(capacity_factor * len(experts) * experts.shape[1] / n_experts)
+    return _token_order_keep(experts, n_experts, cap)
 
 
-def combine_with_barrier(expert_out, token, gate, n_tokens):
-    dist.barrier()                                            # "wait for every expert"
-    return combine_scatter(expert_out, token, gate, n_tokens)
+def group_keep_decoy(experts, n_experts, capacity_factor, group):
+    dist.all_reduce(torch.zeros(n_experts), group=group)                # "the counts, exchanged"
+    return group_keep_local(experts, n_experts, capacity_factor, group)
 
 
-def combine_course(expert_out, token, gate, n_tokens):
-    return ep_lib.combine(expert_out, token, gate, n_tokens)
+def group_keep_rank_major(experts, n_experts, capacity_factor, group):
+    # all of rank 0's choices (both slots) before rank 1's: the queue is rank-major
+    everyone = _gather_all(experts, group)
+    me, k = dist.get_rank(group), experts.shape[1]
+    capacity = math.ceil(capacity_factor * sum(len(e) for e in everyone) * k / n_experts)
+    filled, keep = [0] * n_experts, torch.empty_like(experts, dtype=torch.bool)
+    for r, theirs in enumerate(everyone):
+        for slot in range(k):
+            for t in range(len(theirs)):
+                e = int(theirs[t, slot])
+                if r == me:
+                    keep[t, slot] = filled[e] < capacity
+                filled[e] += 1
+    return keep
 
 
-def test_dispatch_plan():
-    ch09.check_dispatch_plan(plan_sorted_keys, world_sizes=(3,))
-    with pytest.raises(CheckFailed, match=r"EP=3, rank 0's dispatch_plan communicated "
-                                          r"\(all_gather of \d+ B, 2 collectives in all; from the run's trace\); "
-                                          r"dispatch_plan is local arithmetic"):
-        ch09.check_dispatch_plan(plan_that_gathers_loads, world_sizes=(3,))
-    with pytest.raises(CheckFailed, match=r"course's own dispatch_plan"):
-        ch09.check_dispatch_plan(plan_course, world_sizes=(3,))
+def group_keep_course(experts, n_experts, capacity_factor, group):
+    everyone = _gather_all(experts, group)
+    all_experts = torch.cat(everyone)
+    cap = math.ceil(capacity_factor * len(all_experts) * experts.shape[1] / n_experts)
+    keep = moe_lib.capacity_keep(all_experts, n_experts, cap)
+    start = sum(len(e) for e in everyone[:dist.get_rank(group)])
+    return keep[start:start + len(experts)]
 
 
-def test_combine():
-    ch09.check_combine(combine_scatter, world_sizes=(3,))
-    with pytest.raises(CheckFailed, match=r"combine tried to communicate"):
-        ch09.check_combine(combine_with_barrier, world_sizes=(3,))
-    with pytest.raises(CheckFailed, match=r"course's own combine"):
-        ch09.check_combine(combine_course, world_sizes=(3,))
+def test_group_capacity_accepts_right_answers():
+    ch09.check_group_capacity_keep(group_keep_counts, world_sizes=(2, 3))
+    ch09.check_group_capacity_keep(group_keep_gather_everything, world_sizes=(3, 4))
+
+
+def test_group_capacity_refuses_wrong_ones():
+    local = (r"every rank applied the capacity to its own tokens only \(GShard's per-group "
+             r"capacity, the chapter's layer\), so an expert can receive 3× its capacity")
+    with pytest.raises(CheckFailed, match=local):
+        ch09.check_group_capacity_keep(group_keep_local, world_sizes=(3,))
+    with pytest.raises(CheckFailed, match=local):
+        ch09.check_group_capacity_keep(group_keep_decoy, world_sizes=(3,))
+    with pytest.raises(CheckFailed, match=r"with EP=3: rank \d (kept|dropped) its token \d+'s "
+                                          r"choice \d \(expert \d\).* queue"):
+        ch09.check_group_capacity_keep(group_keep_rank_major, world_sizes=(3,))
+    with pytest.raises(CheckFailed, match=r"course's own capacity_keep"):
+        ch09.check_group_capacity_keep(group_keep_course, world_sizes=(2,))
+
+
+# ---- exercise 3: EP × DP gradients on an (ep, dp) layout -----------------------------------------------
+
+def _my_dp_group(ep_size):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp, mine = world // ep_size, None
+    for e in range(ep_size):                       # every rank creates every group, in order
+        group = dist.new_group([e * dp + d for d in range(dp)])
+        if rank // dp == e:
+            mine = group
+    return mine
+
+
+def reduce_groups(model, ep_size):                  # as the workbook's solution
+    dp_group, world = _my_dp_group(ep_size), dist.get_world_size()
+    experts = {id(p) for p in model.moe.expert_parameters()}
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=dp_group if id(p) in experts else None)
+        p.grad /= world
+
+
+def reduce_with_mesh(model, ep_size):               # differently written: a mesh, one flat buffer
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ep_size, world // ep_size), mesh_dim_names=("ep", "dp"))
+    experts = list(model.moe.experts.parameters())
+    ids = {id(p) for p in experts}
+    dense = [p for p in model.parameters() if id(p) not in ids]
+    flat = torch.cat([p.grad.reshape(-1) for p in dense]) / world
+    dist.all_reduce(flat)
+    for p, piece in zip(dense, flat.split([p.numel() for p in dense])):
+        p.grad.copy_(piece.view_as(p))
+    for p in experts:
+        dist.all_reduce(p.grad, group=mesh.get_group("dp"))
+        p.grad.div_(world)
+
+
+def reduce_chapter_layout(model, ep_size):          # the chapter's (dp, ep) groups: strided
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = None
+    for e in range(ep_size):
+        group = dist.new_group(list(range(e, world, ep_size)))
+        if rank % ep_size == e:
+            mine = group
+    experts = {id(p) for p in model.moe.expert_parameters()}
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=mine if id(p) in experts else None)
+        p.grad /= world
+
+
+def reduce_everything_everywhere(model, ep_size):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def reduce_experts_by_dp(model, ep_size):           # divides an expert's gradient by dp
+    dp_group, world = _my_dp_group(ep_size), dist.get_world_size()
+    experts = {id(p) for p in model.moe.expert_parameters()}
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=dp_group if id(p) in experts else None)
+        p.grad /= (world // ep_size) if id(p) in experts else world
+
+
+def reduce_decoy(model, ep_size):                   # collectives of zeros on the right groups
+    dp_group = _my_dp_group(ep_size)
+    experts = {id(p) for p in model.moe.expert_parameters()}
+    for p in model.parameters():
+        dist.all_reduce(torch.zeros_like(p.grad), group=dp_group if id(p) in experts else None)
+
+
+def reduce_course(model, ep_size):
+    ep_lib.reduce_gradients(model, _my_dp_group(ep_size))
+
+
+def test_reduce_moe_gradients_accepts_right_answers():
+    ch09.check_reduce_moe_gradients(reduce_groups, layouts=((4, 2), (6, 3)))
+    ch09.check_reduce_moe_gradients(reduce_with_mesh, layouts=((6, 2),))
+
+
+def test_reduce_moe_gradients_refuses_wrong_ones():
+    with pytest.raises(CheckFailed, match=r"ep=2, dp=2 \(4 ranks\): rank \d's gradient of "
+                                          r"moe\.experts\.\d\.\w+\.\w+ \(its local expert, global "
+                                          r"expert \d\).*that is the sum over its EP group \(the "
+                                          r"ranks that hold different experts\), ranks \[\d, \d\], "
+                                          r"divided by 4; .*ranks \[\d, \d\], and divide by all 4"):
+        ch09.check_reduce_moe_gradients(reduce_chapter_layout, layouts=((4, 2),))
+    with pytest.raises(CheckFailed, match=r"that is the sum over every rank, ranks \[0, 1, 2, 3, "
+                                          r"4, 5\], divided by 6"):
+        ch09.check_reduce_moe_gradients(reduce_everything_everywhere, layouts=((6, 3),))
+    with pytest.raises(CheckFailed, match=r"ep=3, dp=2 .*that is the sum over its DP group \(the "
+                                          r"ranks that hold the same experts\), ranks \[\d, \d\], "
+                                          r"divided by 2; .*divide by all 6"):
+        ch09.check_reduce_moe_gradients(reduce_experts_by_dp, layouts=((6, 3),))
+    with pytest.raises(CheckFailed, match=r"that is the sum over no other rank, ranks \[\d\], "
+                                          r"divided by 1"):
+        ch09.check_reduce_moe_gradients(reduce_decoy, layouts=((4, 2),))
+    with pytest.raises(CheckFailed, match=r"course's own reduce_gradients"):
+        ch09.check_reduce_moe_gradients(reduce_course, layouts=((4, 2),))
 
 
 def test_stubs_are_reported_as_not_written():
     def stub(*args):
-        raise NotImplementedError
+        raise NotImplementedError("exercise: replace this line with your code")
 
-    for check, n in ((ch09.check_top_k_gates, 2), (ch09.check_switch_aux_loss, 2),
-                     (ch09.check_dispatch_plan, 4), (ch09.check_combine, 4)):
-        def stub_n(*args):
-            raise NotImplementedError
+    for check in (ch09.check_prioritized_route, ch09.check_group_capacity_keep,
+                  ch09.check_reduce_moe_gradients):
         with pytest.raises(NotImplementedError, match="is not written yet"):
-            check(stub_n)
+            check(stub)

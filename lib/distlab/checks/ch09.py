@@ -1,341 +1,547 @@
-"""Checkers for workbook 09: the router's top-k gates, the Switch auxiliary loss, and the
-dispatch plan and combine of an expert-parallel MoE layer.
+"""Checkers for workbook 09: capacity the chapter did not write, and the EP × DP gradient groups.
 
-The router and the loss are local arithmetic: they are called here on small, readable logits and
-compared, value and gradient, with the course's layer. The dispatch plan and the combine are
-first called on small cases here, then plugged into `ExpertParallelMoE` on real ranks, whose
-every output and gradient is compared with the single-process `MoE` on the same tokens — and
-whose trace must show expert parallelism's pattern: per forward, one all_to_all of the counts,
-then exactly one all_to_all each way (dispatch, combine), and their two reverses in backward;
-nothing from your function, which is local.
+1. `check_prioritized_route`: top-k routing with batch-prioritized capacity (V-MoE's BPR: the
+   most confident tokens are served first). Judged on this process on several shapes, including
+   float32 logits of size ~100 that overflow a naive exp, then plugged into an expert-parallel
+   layer on real ranks (EP 2 and 3): every rank's output and input gradient equal a one-process
+   layer routed by this module's reference.
+2. `check_group_capacity_keep`: the capacity counted over the whole EP group instead of per
+   source rank, on real ranks at EP 2, 3 and 4 with uneven token counts: every rank's keep mask
+   is compared element by element with one process on the concatenated batch, and the layer
+   built on it equals that process (dropped tokens come back as zeros).
+3. `check_reduce_moe_gradients`: gradient averaging on an (ep, dp) layout, EP groups strided
+   across "nodes" (the chapter's mesh is (dp, ep)): every rank's gradients after the call are
+   compared with one process's gradient of the global mean loss, at 4 and 6 ranks, both ways
+   round; a wrong answer is named by the reduction it matches (wrong group, wrong divisor,
+   none).
 
-Calling the course's own function (`distlab.moe.route`, `load_balancing_loss`,
-`distlab.expert_parallel.dispatch_plan`, `combine`) is refused: the exercise is to write it.
+The references of this module are written here, never shown in a notebook. The course's own
+`route`, `capacity_keep`, `reduce_gradients`, `ep_dp_mesh`, `distlab.debug`'s averaging and
+this module's references refuse to run inside the learner's function (`forbid`).
 """
 import contextlib
+import math
 
 import torch
+import torch.distributed as dist
 
+from .. import debug as _debug
 from .. import expert_parallel as ep_lib
 from .. import moe as moe_lib
-from .. import trace as _trace
-from ..moe import Routing, make_moe, route
-from . import (expect_arguments, CheckFailed, UsedCourseCode, call_learner, compare, forbid, passed, run_learner,
-               sizes_phrase)
+from ..moe import Routing, make_moe, make_moe_model, shard_loss
+from . import (CheckFailed, UsedCourseCode, call_learner, compare, expect_arguments, forbid,
+               passed, run_learner, sizes_phrase)
 
 D_MODEL = 8
 TIMEOUT = 30  # a learner's deadlock is reported (with where each rank waits) within this
-# (ep_size, n_experts, top_k, capacity_factor): odd sizes, top-2 and dropping included.
-CASES = [(1, 4, 1, None), (2, 4, 1, 1.0), (3, 6, 2, None), (4, 8, 2, 0.75), (2, 2, 2, 0.5)]
+
+
+# ---- references (never displayed) ----------------------------------------------------------------
+
+def _capacity(n_tokens, n_experts, top_k, capacity_factor):
+    if capacity_factor is None:
+        return None
+    return math.ceil(capacity_factor * n_tokens * top_k / n_experts)
+
+
+def _priority_order(probs):
+    """Tokens by their top-1 probability, highest first; ties: the earlier token first."""
+    return torch.sort(probs.max(dim=-1).values, descending=True, stable=True).indices
+
+
+def _queue_positions(experts, order, n_experts):
+    """(T, k) place of each assignment in its expert's queue, when the slots are served in turn
+    (all first choices, then all second ones, ...) and inside a slot the tokens in `order`."""
+    T, k = experts.shape
+    position = torch.empty_like(experts)
+    filled = torch.zeros(n_experts, dtype=torch.long)
+    for slot in range(k):
+        for t in order.tolist():
+            e = int(experts[t, slot])
+            position[t, slot] = filled[e]
+            filled[e] += 1
+    return position
+
+
+def _reference_route(logits, top_k, capacity_factor):
+    """Batch-prioritized top-k routing: (probs, experts, gates, keep, capacity, position)."""
+    probs = torch.softmax(logits, dim=-1)
+    gates, experts = probs.topk(top_k, dim=-1)
+    if top_k > 1:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    capacity = _capacity(len(logits), logits.shape[-1], top_k, capacity_factor)
+    position = _queue_positions(experts, _priority_order(probs.detach()), logits.shape[-1])
+    keep = torch.ones_like(experts, dtype=torch.bool) if capacity is None else position < capacity
+    return probs, experts, gates, keep, capacity, position
+
+
+def _group_reference(experts_of_ranks, n_experts, capacity_factor):
+    """Keep masks per rank when the capacity counts the whole group: one process on the
+    concatenated batch (rank 0's tokens first), every first choice before any second one."""
+    experts = torch.cat(experts_of_ranks)
+    k = experts.shape[1]
+    capacity = _capacity(len(experts), n_experts, k, capacity_factor)
+    position = _queue_positions(experts, torch.arange(len(experts)), n_experts)
+    keep = position < capacity
+    sizes = [len(e) for e in experts_of_ranks]
+    return capacity, list(keep.split(sizes)), list(position.split(sizes))
 
 
 def _course_code():
-    return (moe_lib.route, moe_lib.load_balancing_loss, moe_lib.capacity_keep,
-            ep_lib.dispatch_plan, ep_lib.combine)
+    return (moe_lib.route, moe_lib.capacity_keep, moe_lib.expert_capacity,
+            moe_lib.load_balancing_loss, ep_lib.reduce_gradients, ep_lib.ep_dp_mesh,
+            ep_lib.dispatch_plan, _debug.average_gradients, _debug.broadcast_parameters,
+            _reference_route, _group_reference, _queue_positions, _priority_order,
+            _one_process_layer)
 
 
 @contextlib.contextmanager
 def _refusing(what):
-    """The course's functions refused while the learner's runs (in this process or a rank)."""
     with forbid(*_course_code(), exercise=f"write {what} yourself"):
         yield
 
 
-def _called(fn, *args, name):
-    """Call the learner's function here, on one process: it is local arithmetic."""
+def _called(fn, *args, name, what="the prioritized routing"):
+    """Call the learner's local function here, in one process."""
     try:
-        with _refusing(name):
+        with _refusing(what):
             return call_learner(fn, *args, name=name)
     except UsedCourseCode as e:
         raise CheckFailed(str(e)) from None
-    except (ValueError, RuntimeError) as e:
-        if "process group" not in str(e).lower():
-            raise
-        raise CheckFailed(f"{name} tried to communicate (torch.distributed: "
-                          f"{str(e).splitlines()[0]}) when the check called it on its own; "
-                          f"{name} is local arithmetic on this rank's own tensors — no "
-                          f"collective belongs in it.") from None
 
 
-def _require(fn, n_args, example):
-    return expect_arguments(fn, n_args, example, getattr(fn, "__name__", repr(fn)))
+def _one_process_layer(moe, x, routing):
+    """The MoE layer in one process with a given routing: (output, gradient-carrying)."""
+    out = torch.zeros_like(x)
+    experts, gates, keep = routing
+    for e, expert in enumerate(moe.experts):
+        token, slot = ((experts == e) & keep).nonzero(as_tuple=True)
+        out = out.index_add(0, token, gates[token, slot].unsqueeze(-1) * expert(x[token]))
+    return out
 
 
-def _routing(case, seed):
-    ep_size, n_experts, top_k, capacity_factor = case
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(10, n_experts, generator=g, dtype=torch.float64)
-    logits[:6, 0] += 3.0          # a crowd on expert 0, so capacity really drops some
-    return route(logits, top_k, capacity_factor)
+def _tokens(rank, n, seed=300):
+    g = torch.Generator().manual_seed(seed + rank)
+    return torch.randn(n, D_MODEL, generator=g, dtype=torch.float64)
 
 
-def _describe(case):
-    ep_size, n_experts, top_k, capacity_factor = case
-    return (f"ep_size={ep_size}, {n_experts} experts, top_k={top_k}, "
-            f"capacity_factor={capacity_factor}")
-
-
-# ---- exercise 1: the router's top-k gates -------------------------------------------------------
-
-# Readable logits (no ties within a row): 4 tokens, 4 experts.
-LOGITS = torch.tensor([[2.0, 0.0, 1.0, -1.0],
-                       [0.0, 3.0, 1.0, 0.5],
-                       [1.0, 1.5, -2.0, 2.5],
-                       [-1.0, 0.0, 0.5, 1.0]], dtype=torch.float64)
-
-
-def check_top_k_gates(fn):
-    """fn(logits, k) -> (experts, gates), both (T, k), best first; for k > 1 the gates are the
-    chosen probabilities renormalised to sum to 1; for k = 1 the probability itself (Switch)."""
-    name = _require(fn, 2, "top_k_gates(logits, k)")
-    g = torch.Generator().manual_seed(5)
-    cases = [(LOGITS, 1), (LOGITS, 2), (LOGITS, 3),
-             (torch.randn(7, 6, generator=g, dtype=torch.float64), 2)]
-    for logits, k in cases:
-        where = f"{name} on {tuple(logits.shape)} logits with k={k}"
-        ref = route(logits, k)
-        mine = logits.clone().requires_grad_()
-        got = _called(fn, mine, k, name=name)
-        if not (isinstance(got, (tuple, list)) and len(got) == 2):
-            raise CheckFailed(f"{where} should return (experts, gates); got "
-                              f"{type(got).__name__}.")
-        experts, gates = got
-        if not torch.is_tensor(experts) or tuple(experts.shape) != (len(logits), k):
-            raise CheckFailed(f"{where}: experts should be a ({len(logits)}, {k}) tensor of "
-                              f"expert ids, best first; got {experts!r}.")
-        compare(experts.long(), ref.experts, f"{where}, experts (best first)")
-        if not torch.is_tensor(gates) or tuple(gates.shape) != (len(logits), k):
-            raise CheckFailed(f"{where}: gates should be a ({len(logits)}, {k}) tensor; got "
-                              f"{gates!r}.")
-        sums = gates.detach().sum(-1)
-        if k > 1 and not torch.allclose(sums, torch.ones_like(sums)):
-            t = int((sums - 1).abs().argmax())
-            raise CheckFailed(f"{where}: token {t}'s {k} gates sum to {sums[t].item():.4f}; "
-                              f"renormalise them over the chosen experts so that they sum to 1 "
-                              f"(divide by their sum), or the layer's output shrinks with how "
-                              f"unsure the router is.")
-        if k == 1 and torch.allclose(gates.detach(), torch.ones_like(gates)):
-            raise CheckFailed(f"{where}: every gate is 1.0 — renormalising a single gate makes "
-                              f"it 1 whatever the router said, so the task loss gives the router "
-                              f"no gradient at all; with k=1 the gate is the probability itself "
-                              f"(Switch Transformer).")
-        compare(gates, ref.gates, f"{where}, gates", atol=1e-10, rtol=1e-9)
-        if not gates.requires_grad:
-            raise CheckFailed(f"{where}: the gates carry no gradient back to the logits (no "
-                              f".detach(), no torch.no_grad()): the router learns through them.")
-        weights = torch.arange(1.0, gates.numel() + 1, dtype=gates.dtype).view_as(gates)
-        (gates * weights).sum().backward()
-        ref_logits = logits.clone().requires_grad_()
-        (route(ref_logits, k).gates * weights).sum().backward()
-        compare(mine.grad, ref_logits.grad, f"{where}, gradient of the logits through the gates",
-                atol=1e-10, rtol=1e-9)
-    passed(f"{name} picks the top-k experts, best first, with gates renormalised over them for "
-           f"k > 1 (the probability itself for k = 1) — values and gradients, k = 1, 2 and 3.")
-
-
-# ---- exercise 2: the Switch auxiliary loss --------------------------------------------------------
-
-def check_switch_aux_loss(fn):
-    """fn(probs, experts) -> E · Σ_e f_e · P_e; probs (T, E) router softmax, experts (T, k)."""
-    name = _require(fn, 2, "switch_aux_loss(probs, experts)")
-    E = 4
-    uniform = torch.full((8, E), 1 / E, dtype=torch.float64)
-    balanced = torch.arange(8).remainder(E).view(8, 1)
-    crowd = torch.tensor([[0.7, 0.1, 0.1, 0.1]] * 8, dtype=torch.float64)
-    g = torch.Generator().manual_seed(9)
-    cases = [("a uniform router with a balanced load (8 tokens, 4 experts, top-1)",
-              uniform, balanced),
-             ("every token on expert 0 with probability 0.7 (top-1)", crowd,
-              torch.zeros(8, 1, dtype=torch.long))]
-    for k, n_experts in ((1, 6), (2, 4), (2, 8)):
-        logits = torch.randn(10, n_experts, generator=g, dtype=torch.float64)
-        logits[:5, 1] += 2.0
-        r = route(logits, k)
-        cases.append((f"10 tokens, {n_experts} experts, top-{k}", r.probs.detach(), r.experts))
-    for what, probs, experts in cases:
-        k = experts.shape[1]
-        ref_probs = probs.clone().requires_grad_()
-        ref = moe_lib.load_balancing_loss(Routing(ref_probs, experts, None, None, None))
-        mine = probs.clone().requires_grad_()
-        got = _called(fn, mine, experts.clone(), name=name)
-        where = f"{name} for {what}"
-        if not torch.is_tensor(got) or got.numel() != 1:
-            raise CheckFailed(f"{where} should return a one-element tensor; got {got!r}.")
-        value, expected = got.reshape(()).item(), ref.item()
-        if abs(value - expected) > 1e-9 * max(1, abs(expected)):
-            hint = ""
-            n_exp = probs.shape[1]
-            for factor, why in ((1 / n_exp, f"multiply by E = {n_exp}: the scaling makes a "
-                                             f"uniform load give 1 whatever the number of "
-                                             f"experts"),
-                                (k, f"f_e is the fraction of the T·k = {len(probs) * k} "
-                                    f"assignments, not of the {len(probs)} tokens"),
-                                (n_exp, "E appears once, not twice"),
-                                (1 / k, f"f_e counts the assignments of all k = {k} slots")):
-                if abs(value - factor * expected) <= 1e-9 * max(1, abs(expected)) and factor != 1:
-                    hint = f" — {factor:g}× the right value: {why}"
-                    break
-            raise CheckFailed(f"{where}: expected {expected:.6g}, got {value:.6g}{hint}.")
-        if not got.requires_grad:
-            raise CheckFailed(f"{where}: the loss carries no gradient to the router's "
-                              f"probabilities; P_e (their mean) must stay differentiable.")
-        got.reshape(()).backward()
-        ref.backward()
-        try:
-            compare(mine.grad, ref_probs.grad, f"{where}, gradient of the probabilities",
-                    atol=1e-10, rtol=1e-9)
-        except CheckFailed as e:
-            raise CheckFailed(str(e)[:-1] + " — f_e is a count of choices: it carries no "
-                              "gradient; only P_e (the mean probability) does.") from None
-    passed(f"{name} gives E · Σ f_e · P_e — 1 for a uniform load, value and gradient, top-1 "
-           f"and top-2, 4 to 8 experts.")
-
-
-# ---- exercise 3: the dispatch plan ----------------------------------------------------------------
-
-def _check_plan_case(fn, case, seed):
-    ep_size, n_experts, _, _ = case
-    r = _routing(case, seed)
-    where = f"dispatch_plan with {_describe(case)}"
-    got = _called(fn, r.experts.clone(), r.keep.clone(), n_experts, ep_size,
-                  name="dispatch_plan")
-    if not (isinstance(got, (tuple, list)) and len(got) == 2):
-        raise CheckFailed(f"{where} should return (order, send_splits); got {type(got).__name__}.")
-    order, splits = got
-    ref_order, ref_splits = ep_lib.dispatch_plan(r.experts, r.keep, n_experts, ep_size)
-    if torch.is_tensor(splits):
-        splits = splits.tolist()
-    compare(list(splits), ref_splits, f"{where}: send_splits")
-    if not torch.is_tensor(order) or order.dtype not in (torch.int64, torch.int32):
-        raise CheckFailed(f"{where}: order should be a tensor of integer indices into the "
-                          f"flattened (tokens·k) assignments; got {order!r}.")
-    order = order.long().reshape(-1)
-    if sorted(order.tolist()) != sorted(ref_order.tolist()):
-        missing = sorted(set(ref_order.tolist()) - set(order.tolist()))
-        extra = sorted(set(order.tolist()) - set(ref_order.tolist()))
-        raise CheckFailed(f"{where}: order must list each kept assignment once; missing "
-                          f"{missing[:5]}, unexpected {extra[:5]} (a dropped assignment is sent "
-                          f"nowhere).")
-    experts = r.experts.reshape(-1)[order]
-    bad = (experts[1:] < experts[:-1]).nonzero()
-    if len(bad):
-        i = int(bad[0])
-        raise CheckFailed(f"{where}: order sends assignment {int(order[i])} (expert "
-                          f"{int(experts[i])}) before assignment {int(order[i + 1])} (expert "
-                          f"{int(experts[i + 1])}); sort the kept assignments by expert, so that "
-                          f"each rank's rows are one contiguous run.")
-
-
-def _tokens(rank):
-    g = torch.Generator().manual_seed(300 + rank)
-    return torch.randn(12, D_MODEL, generator=g, dtype=torch.float64)
-
-
-def _layer(world_size, top_k, capacity_factor):
+def _skewed_layer(n_experts, top_k, capacity_factor):
     moe = make_moe(seed=4, dtype=torch.float64, d_model=D_MODEL, hidden=16,
-                   n_experts=2 * world_size, top_k=top_k, capacity_factor=capacity_factor)
+                   n_experts=n_experts, top_k=top_k, capacity_factor=capacity_factor)
     with torch.no_grad():
-        moe.router.bias[0] = 1.5      # uneven loads: uneven splits, and some dropping
+        moe.router.bias[0] = 1.5      # a crowd on expert 0: uneven splits, and drops
     return moe
 
 
-LEARNER_SPAN = "your function"
+@contextlib.contextmanager
+def _layer_routes_with(route_fn):
+    """Inside a rank: ExpertParallelMoE routes with `route_fn` (its module's `route` name)."""
+    saved = ep_lib.route
+    ep_lib.route = route_fn
+    try:
+        yield
+    finally:
+        ep_lib.route = saved
 
 
-def _labelled(fn, what):
-    """The learner's function, run inside a trace span (its communication shows under that
-    label) with the course's own version refused."""
-    def wrapped(*args):
-        with _trace.span(LEARNER_SPAN), _refusing(what):
-            return fn(*args)
-    return wrapped
+def _layer_versus_reference(moe, layer_route, tokens, reference_out):
+    """Run the EP layer (routing through `layer_route`) on this rank's tokens; return
+    (y, x.grad) and (reference y, reference x.grad)."""
+    layer = ep_lib.ExpertParallelMoE(moe, None)
+    x = tokens.clone().requires_grad_()
+    with _layer_routes_with(layer_route):
+        y, _ = layer(x)
+    weights = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)
+    (y * weights).sum().backward()
+    yr, gr = reference_out(weights)
+    return (y.detach(), x.grad), (yr, gr)
 
 
-def _in_the_layer(rank, world_size, plan, combine, learner):
-    """On every rank: (got, expected) outputs and gradients, EP layer vs the one-process layer."""
-    results = []
-    if learner == "plan":
-        plan = _labelled(plan, "the dispatch plan")
-    else:
-        combine = _labelled(combine, "the combine")
-    for case, (top_k, capacity_factor) in enumerate([(1, None), (2, 1.0)]):
-        moe = _layer(world_size, top_k, capacity_factor)
-        layer = ep_lib.ExpertParallelMoE(moe, None, plan=plan, combine=combine)
-        x = _tokens(rank).requires_grad_()
-        with _trace.span(f"forward {case}"):
-            y, _ = layer(x)
-        weights = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)
-        with _trace.span(f"backward {case}"):
-            (y * weights).sum().backward()
-        xr = _tokens(rank).requires_grad_()
-        yr, _ = moe(xr)
-        (yr * weights).sum().backward()
-        results.append(((top_k, capacity_factor), (y.detach(), x.grad), (yr.detach(), xr.grad)))
-    return results
+def _compare_ranks(got, what, world_size):
+    for rank, ((y, gx), (yr, gr)) in enumerate(got):
+        where = f"{what}, EP={world_size}, rank {rank}"
+        compare(y, yr, f"{where}: the layer's output", atol=1e-10, rtol=1e-9)
+        compare(gx, gr, f"{where}: the gradient of the layer's input", atol=1e-10, rtol=1e-9)
 
 
-def _check_ep_structure(trace, ws, name):
-    """Per forward: counts, dispatch, combine = 3 all_to_alls; per backward: the two reverses;
-    the learner's (local) function: nothing."""
-    for rank in range(ws):
-        mine = [e for e in trace.comm(rank) if e["label"] == [LEARNER_SPAN]]
-        if mine:
-            calls = f"{mine[0]['op']} of {mine[0]['bytes']} B" + (
-                f", {len(mine)} collectives in all" if len(mine) > 1 else "")
-            raise CheckFailed(
-                f"with EP={ws}, rank {rank}'s {name} communicated ({calls}; from the run's "
-                f"trace); {name} is local arithmetic on this rank's own tokens — the layer's "
-                f"all_to_alls carry everything between ranks (one of the counts, then exactly "
-                f"one each way for the rows).")
-        for case in (0, 1):
-            for phase, wanted in (("forward", 3), ("backward", 2)):
-                calls = [e for e in trace.comm(rank) if e["label"] == [f"{phase} {case}"]]
-                ops = [e["op"] for e in calls]
-                if ops != ["all_to_all"] * wanted:
-                    raise CheckFailed(
-                        f"with EP={ws}, rank {rank}'s layer {phase} made {ops or 'no collective'} "
-                        f"(from the run's trace); expert parallelism makes "
-                        f"{'the counts, the dispatch and the combine: 3 all_to_alls' if wanted == 3 else 'the two reverse all_to_alls'} — "
-                        f"exactly one each way for the rows.")
+# ---- exercise 1: batch-prioritized capacity --------------------------------------------------------
+
+def _route_cases():
+    g = torch.Generator().manual_seed(11)
+    cases = []
+    for T, E, k, cf in ((10, 4, 1, 1.0), (9, 6, 2, 1.0), (12, 8, 2, 0.5), (16, 4, 2, 1.25),
+                        (7, 3, 3, None), (5, 5, 1, 0.4)):
+        logits = torch.randn(T, E, generator=g, dtype=torch.float64)
+        logits[: T // 2, 1] += 2.0                       # a crowd on expert 1
+        cases.append((f"{T} tokens, {E} experts, k={k}, capacity_factor={cf}", logits, k, cf))
+    # float32 logits near 100: a naive exp overflows (exp(89) is already inf); the spread of a
+    # row stays small enough that no probability underflows to 0 (ties among the zeros would
+    # make top-k's order arbitrary). Token 5 repeats token 1: a tie in priority.
+    big = 100.0 + 5.0 * torch.randn(12, 4, generator=g, dtype=torch.float32)
+    big[:8, 2] += 8.0
+    big[5] = big[1]
+    cases.append(("12 tokens, 4 experts, k=2, capacity_factor=1.0, float32 logits near 100 "
+                  "(tokens 1 and 5 tie)", big, 2, 1.0))
+    cases.append(("the same large float32 logits, k=1, capacity_factor=1.0", big.clone(), 1, 1.0))
+    return cases
 
 
-def _check_in_the_layer(name, plan, combine, world_sizes, learner):
+def _explain_keep(where, t, slot, got, probs, experts, position, capacity, order):
+    e = int(experts[t, slot])
+    place = int(position[t, slot])
+    rank_in_order = order.tolist().index(t)
+    ahead = [int(u) for u in order[:rank_in_order]]
+    if got:
+        return (f"{where}: token {t}'s choice {slot + 1} (expert {e}) was kept, but expert {e} "
+                f"holds only {capacity} and this assignment is number {place + 1} in its queue: "
+                f"every first choice goes before any second one, and inside a choice the tokens "
+                f"with the higher top-1 probability first (tokens ahead of token {t}: "
+                f"{ahead[:6]}{' …' if len(ahead) > 6 else ''}).")
+    return (f"{where}: token {t}'s choice {slot + 1} (expert {e}) was dropped, but it is number "
+            f"{place + 1} in expert {e}'s queue and the capacity is {capacity}: serve the slots "
+            f"in turn and, inside a slot, the tokens by top-1 probability, highest first (ties: "
+            f"the earlier token first).")
+
+
+def _follows_token_order(fn, name):
+    """Whether fn's keep is the chapter's rule (earlier tokens first) on every case."""
+    for _, logits, k, cf in _route_cases():
+        experts = _reference_route(logits, k, cf)[1]
+        keep = _called(fn, logits.clone(), k, cf, name=name)[2]
+        capacity = _capacity(len(logits), logits.shape[-1], k, cf)
+        if not torch.equal(keep, moe_lib.capacity_keep(experts, logits.shape[-1], capacity)):
+            return False
+    return True
+
+
+def _check_route_case(fn, name, what, logits, k, cf):
+    where = f"{name} on {what}"
+    probs, experts, gates, keep, capacity, position = _reference_route(logits.detach(), k, cf)
+    mine = logits.clone().requires_grad_()
+    got = _called(fn, mine, k, cf, name=name)
+    if not (isinstance(got, (tuple, list)) and len(got) == 3):
+        raise CheckFailed(f"{where} should return (experts, gates, keep); got "
+                          f"{type(got).__name__}.")
+    g_experts, g_gates, g_keep = got
+    T = len(logits)
+    for label, value in (("experts", g_experts), ("gates", g_gates), ("keep", g_keep)):
+        if not torch.is_tensor(value) or tuple(value.shape) != (T, k):
+            raise CheckFailed(f"{where}: {label} should be a ({T}, {k}) tensor; got "
+                              f"{value!r:.80}.")
+    if torch.isnan(g_gates.detach()).any():
+        t = int(torch.isnan(g_gates.detach()).any(-1).nonzero()[0])
+        raise CheckFailed(f"{where}: token {t}'s gates are nan: exp of a logit near "
+                          f"{logits[t].abs().max().item():.0f} overflows float32 — subtract each "
+                          f"row's largest logit before the exp (torch.softmax does).")
+    compare(g_experts.long(), experts, f"{where}, experts (best first)")
+    compare(g_gates, gates, f"{where}, gates (renormalised over the k chosen when k > 1)",
+            atol=1e-6 if logits.dtype == torch.float32 else 1e-10, rtol=1e-6)
+    if g_keep.dtype != torch.bool:
+        raise CheckFailed(f"{where}: keep should be a boolean tensor; got {g_keep.dtype}.")
+    bad = (g_keep != keep).nonzero()
+    if len(bad):
+        t, slot = (int(i) for i in bad[0])
+        order = _priority_order(probs)
+        if _follows_token_order(fn, name):
+            raise CheckFailed(f"{where}: your keep is the chapter's rule (earlier tokens first); "
+                              f"batch-prioritized routing serves the tokens by their top-1 "
+                              f"probability, highest first — here token {t}'s choice {slot + 1} "
+                              f"should be {'kept' if keep[t, slot] else 'dropped'}.")
+        raise CheckFailed(_explain_keep(where, t, slot, bool(g_keep[t, slot]), probs, experts,
+                                        position, capacity, order))
+    if not g_gates.requires_grad:
+        raise CheckFailed(f"{where}: the gates carry no gradient back to the logits (no "
+                          f".detach(), no torch.no_grad()): the router learns through them.")
+    weights = torch.arange(1.0, g_gates.numel() + 1, dtype=g_gates.dtype).view_as(g_gates)
+    (g_gates * weights).sum().backward()
+    ref_logits = logits.detach().clone().requires_grad_()
+    (_reference_route(ref_logits, k, cf)[2] * weights).sum().backward()
+    compare(mine.grad, ref_logits.grad, f"{where}, gradient of the logits through the gates",
+            atol=1e-6 if logits.dtype == torch.float32 else 1e-10, rtol=1e-6)
+
+
+LAYER_CASES = ((1, 1.0), (2, 0.75))      # (top_k, capacity_factor) of the layer runs
+
+
+def _prioritized_on_ranks(rank, world_size, fn):
+    return [_prioritized_layer(rank, world_size, fn, k, cf) for k, cf in LAYER_CASES]
+
+
+def _prioritized_layer(rank, world_size, fn, top_k, capacity_factor):
+    n_experts = 2 * world_size
+    moe = _skewed_layer(n_experts, top_k, capacity_factor)
+    tokens = _tokens(rank, 12)
+
+    def learner_route(logits, k, cf):
+        with _refusing("the prioritized routing"):
+            experts, gates, keep = fn(logits, k, cf)
+        probs = torch.softmax(logits, dim=-1)
+        return Routing(probs, experts.long(), gates, keep.bool(),
+                       _capacity(len(logits), n_experts, k, cf))
+
+    def reference(weights):
+        x = tokens.clone().requires_grad_()
+        _, experts, gates, keep, _, _ = _reference_route(moe.router(x), top_k, capacity_factor)
+        y = _one_process_layer(moe, x, (experts, gates, keep))
+        (y * weights).sum().backward()
+        return y.detach(), x.grad
+
+    return _layer_versus_reference(moe, learner_route, tokens, reference)
+
+
+def check_prioritized_route(fn, world_sizes=(2, 3)):
+    """fn(logits, k, capacity_factor) -> (experts, gates, keep), each (T, k): top-k of the
+    softmax (gates renormalised over the k when k > 1), keep False for the assignments past the
+    capacity, the tokens served by top-1 probability (highest first), slot by slot."""
+    name = expect_arguments(fn, 3, "prioritized_route(logits, k, capacity_factor)")
+    for what, logits, k, cf in _route_cases():
+        _check_route_case(fn, name, what, logits, k, cf)
     for ws in world_sizes:
-        got = run_learner(_in_the_layer, ws, plan, combine, learner, name=name,
-                          timeout=TIMEOUT, trace=True)
-        _check_ep_structure(got.trace, ws, name)
-        for rank, cases in enumerate(got):
-            for (top_k, cf), (y, gx), (yr, gr) in cases:
-                where = (f"the expert-parallel layer using your {name}, EP={ws}, top_k={top_k}, "
-                         f"capacity_factor={cf}, rank {rank}")
-                compare(y, yr, f"{where}: output", atol=1e-10, rtol=1e-9)
-                compare(gx, gr, f"{where}: gradient of the input", atol=1e-10, rtol=1e-9)
+        got = run_learner(_prioritized_on_ranks, ws, fn, name=name, timeout=TIMEOUT)
+        for i, (top_k, cf) in enumerate(LAYER_CASES):
+            _compare_ranks([cases[i] for cases in got], f"the expert-parallel layer routed by "
+                           f"your {name} (top_k={top_k}, capacity_factor={cf})", ws)
+    passed(f"{name} keeps the right assignments — slot by slot, most confident tokens first, "
+           f"ties to the earlier token — on 8 cases including float32 logits near 100, gates "
+           f"and their gradients too; the expert-parallel layer routed by it equals one process "
+           f"at EP {sizes_phrase(world_sizes)}.")
 
 
-def check_dispatch_plan(fn, world_sizes=(2, 3)):
-    """fn(experts, keep, n_experts, ep_size) -> (order, send_splits)."""
-    _require(fn, 4, "dispatch_plan(experts, keep, n_experts, ep_size)")
-    for i, case in enumerate(CASES):
-        _check_plan_case(fn, case, seed=10 + i)
-    _check_in_the_layer("dispatch_plan", fn, ep_lib.combine, world_sizes, "plan")
-    passed(f"dispatch_plan sorts the kept assignments by expert and counts the rows for each "
-           f"rank; the layer built on it equals one process at EP {sizes_phrase(world_sizes)}, "
-           f"top-1 and top-2, with dropping — one all_to_all each way, as the trace shows.")
+# ---- exercise 2: the capacity of the whole EP group ------------------------------------------------
+
+def _group_case(rank, world_size, n_experts, top_k, seed):
+    """This rank's (T_r, k) chosen experts: uneven token counts, a crowd on expert 0."""
+    n = 4 + 3 * ((rank + seed) % 3)                  # 4, 7 or 10 tokens: the ranks differ
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    logits = torch.randn(n, n_experts, generator=g, dtype=torch.float64)
+    logits[: n // 2 + 1, 0] += 3.0
+    return logits.topk(top_k, dim=-1).indices
 
 
-def check_combine(fn, world_sizes=(2, 4)):
-    """fn(expert_out, token, gate, n_tokens) -> (n_tokens, d) outputs."""
-    _require(fn, 4, "combine(expert_out, token, gate, n_tokens)")
-    g = torch.Generator().manual_seed(2)
-    for n_rows, n_tokens in [(7, 5), (0, 3), (12, 4)]:
-        rows = torch.randn(n_rows, D_MODEL, generator=g, dtype=torch.float64)
-        token = torch.randint(0, n_tokens, (n_rows,), generator=g)
-        gate = torch.rand(n_rows, generator=g, dtype=torch.float64)
-        expected = ep_lib.combine(rows, token, gate, n_tokens)
-        got = _called(fn, rows.clone(), token.clone(), gate.clone(), n_tokens, name="combine")
-        compare(got, expected, f"combine of {n_rows} rows into {n_tokens} tokens",
-                atol=1e-12, rtol=1e-12)
-    _check_in_the_layer("combine", ep_lib.dispatch_plan, fn, world_sizes, "combine")
-    passed(f"combine puts every gate-weighted row back on its token; the layer built on it "
-           f"equals one process at EP {sizes_phrase(world_sizes)}, top-1 and top-2, with "
-           f"dropping — one all_to_all each way, as the trace shows.")
+GROUP_CASES = ((4, 1, 1.0), (6, 2, 1.0), (4, 2, 0.5), (5, 3, 1.25))   # (E, k, capacity factor)
+
+
+def _group_keep_on_ranks(rank, world_size, fn, name):
+    out = []
+    for i, (n_experts, k, cf) in enumerate(GROUP_CASES):
+        experts = _group_case(rank, world_size, n_experts, k, i)
+        with _refusing("the group capacity"):
+            keep = fn(experts.clone(), n_experts, cf, dist.group.WORLD)
+        out.append((n_experts, k, cf, experts, keep))
+    return out
+
+
+def _group_layers_on_ranks(rank, world_size, fn):
+    return [_group_layer_on_ranks(rank, world_size, fn, cf, k) for k, cf in LAYER_CASES]
+
+
+def _group_layer_on_ranks(rank, world_size, fn, cf, top_k):
+    """The EP layer with the group capacity: every rank's slice of one process on all tokens."""
+    n_experts = 2 * world_size
+    moe = _skewed_layer(n_experts, top_k, cf)
+    sizes = [6 + 2 * r for r in range(world_size)]
+    all_tokens = [_tokens(r, sizes[r], seed=500) for r in range(world_size)]
+
+    def learner_route(logits, k, factor):
+        probs = torch.softmax(logits, dim=-1)
+        gates, experts = probs.topk(k, dim=-1)
+        if k > 1:
+            gates = gates / gates.sum(dim=-1, keepdim=True)
+        with _refusing("the group capacity"):
+            keep = fn(experts.detach().clone(), n_experts, factor, dist.group.WORLD)
+        if not torch.is_tensor(keep) or keep.shape != experts.shape:
+            raise CheckFailed(f"{getattr(fn, '__name__', 'your function')} should return a "
+                              f"{tuple(experts.shape)} boolean tensor; got {keep!r:.80}.")
+        return Routing(probs, experts, gates, keep.bool(), None)
+
+    def reference(weights):
+        xs = [t.clone().requires_grad_() for t in all_tokens]
+        y_all, _ = moe(torch.cat(xs))                     # the capacity of all the tokens
+        y = y_all.split(sizes)[rank]
+        (y * weights).sum().backward()
+        return y.detach(), xs[rank].grad
+
+    return _layer_versus_reference(moe, learner_route, all_tokens[rank], reference)
+
+
+def _explain_group_keep(name, ws, rank, t, slot, e, got, place, capacity, sizes):
+    before = (f"the first choices of all {ws} ranks" if slot else
+              f"the first choices of rank{'s' if rank != 1 else ''} "
+              f"{', '.join(map(str, range(rank))) or 'none before it'}")
+    if got:
+        return (f"{name} with EP={ws}: rank {rank} kept its token {t}'s choice {slot + 1} "
+                f"(expert {e}), but expert {e} holds {capacity} assignments for the whole group "
+                f"and this one is number {place + 1} in its queue — {before} and the earlier "
+                f"tokens come first. The capacity counts every rank's assignments, not only "
+                f"this rank's.")
+    return (f"{name} with EP={ws}: rank {rank} dropped its token {t}'s choice {slot + 1} (expert "
+            f"{e}), but it is number {place + 1} in expert {e}'s queue of the whole group and "
+            f"the capacity is {capacity} — the group's queue: every rank's first choices (rank 0 "
+            f"first, then rank 1, ...), then every rank's second choices. "
+            f"Token counts this time: {sizes}.")
+
+
+def check_group_capacity_keep(fn, world_sizes=(2, 3, 4)):
+    """fn(experts, n_experts, capacity_factor, group) -> keep (T, k) on every rank, the capacity
+    ceil(factor · (all the group's tokens) · k / E) counted over the whole group's assignments:
+    first choices before second ones, inside a choice rank 0's tokens first, then rank 1's, ..."""
+    name = expect_arguments(fn, 4, "group_capacity_keep(experts, n_experts, capacity_factor, "
+                                   "group)")
+    for ws in world_sizes:
+        got = run_learner(_group_keep_on_ranks, ws, fn, name, name=name, timeout=TIMEOUT,
+                          deadlock_rule="Every rank must join the same collectives in the same "
+                                        "order, also a rank whose tokens need no answer.")
+        for case in range(len(GROUP_CASES)):
+            n_experts, k, cf = got[0][case][:3]
+            experts = [got[r][case][3] for r in range(ws)]
+            capacity, keeps, positions = _group_reference(experts, n_experts, cf)
+            sizes = [len(e) for e in experts]
+            for rank in range(ws):
+                mine = got[rank][case][4]
+                where = (f"{name} with EP={ws}, {n_experts} experts, k={k}, "
+                         f"capacity_factor={cf}, on rank {rank}")
+                if not torch.is_tensor(mine) or tuple(mine.shape) != tuple(keeps[rank].shape):
+                    raise CheckFailed(f"{where}: keep should be a {tuple(keeps[rank].shape)} "
+                                      f"boolean tensor; got {mine!r:.80}.")
+                if mine.dtype != torch.bool:
+                    raise CheckFailed(f"{where}: keep should be a boolean tensor; got "
+                                      f"{mine.dtype}.")
+            mine = [got[r][case][4] for r in range(ws)]
+            local = [moe_lib.capacity_keep(e, n_experts, _capacity(len(e), n_experts, k, cf))
+                     for e in experts]
+            wrong = [r for r in range(ws) if not torch.equal(mine[r], keeps[r])]
+            if not wrong:
+                continue
+            if all(torch.equal(m, lo) for m, lo in zip(mine, local)):
+                raise CheckFailed(
+                    f"{name} with EP={ws}, {n_experts} experts, k={k}, capacity_factor={cf}: "
+                    f"every rank applied the capacity to its own tokens only (GShard's "
+                    f"per-group capacity, the chapter's layer), so an expert can receive {ws}× "
+                    f"its capacity; here the capacity counts the whole group's tokens "
+                    f"({sum(sizes)}: {capacity} per expert) and each rank needs what the ranks "
+                    f"before it chose.")
+            rank = wrong[0]
+            t, slot = (int(i) for i in (mine[rank] != keeps[rank]).nonzero()[0])
+            raise CheckFailed(_explain_group_keep(
+                name, ws, rank, t, slot, int(experts[rank][t, slot]), bool(mine[rank][t, slot]),
+                int(positions[rank][t, slot]), capacity, sizes))
+    for ws in world_sizes[:2]:
+        got = run_learner(_group_layers_on_ranks, ws, fn, name=name, timeout=TIMEOUT)
+        for i, (top_k, cf) in enumerate(LAYER_CASES):
+            _compare_ranks([cases[i] for cases in got], f"the expert-parallel layer with your "
+                           f"{name} (top_k={top_k}, capacity_factor={cf})", ws)
+    passed(f"{name} gives every rank the keep mask of one process on the whole group's tokens "
+           f"(capacity of all the tokens, first choices first, then rank order) at EP "
+           f"{sizes_phrase(world_sizes)} with uneven token counts; the layer built on it equals "
+           f"that process, dropped tokens coming back as zeros.")
+
+
+# ---- exercise 3: EP × DP gradients on an (ep, dp) layout ------------------------------------------
+
+CONFIG = dict(d_model=D_MODEL, hidden=16, top_k=2, capacity_factor=1.0)
+TOKENS = 6
+AUX = 0.1
+
+
+def _layout(world_size, ep):
+    """(ep, dp) with EP outer: rank = e·dp + d. EP groups stride by dp, DP groups are runs."""
+    dp = world_size // ep
+    ep_groups = [[e * dp + d for e in range(ep)] for d in range(dp)]
+    dp_groups = [[e * dp + d for d in range(dp)] for e in range(ep)]
+    return dp, ep_groups, dp_groups
+
+
+def _shard(rank):
+    from ..models import regression_data
+    x, y = regression_data(n=TOKENS, in_dim=16, out_dim=4, seed=40 + rank)
+    return x.double(), y.double()
+
+
+def _reduce_on_ranks(rank, world_size, fn, ep):
+    dp, ep_groups, _ = _layout(world_size, ep)
+    groups = [dist.new_group(ranks) for ranks in ep_groups]      # every rank, in the same order
+    mine = next(g for g, ranks in zip(groups, ep_groups) if rank in ranks)
+    model = make_moe_model(seed=3, dtype=torch.float64, n_experts=2 * ep, **CONFIG)
+    model.moe = ep_lib.ExpertParallelMoE(model.moe, mine)
+    shard_loss(model, *_shard(rank), aux_coef=AUX).backward()
+    local = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    with _refusing("the gradient averaging"):
+        fn(model, ep)
+    reduced = {n: (None if p.grad is None else p.grad.detach().clone())
+               for n, p in model.named_parameters()}
+    return model.moe.first, local, reduced
+
+
+def _global_name(name, first):
+    if name.startswith("moe.experts."):
+        i, rest = name[len("moe.experts."):].split(".", 1)
+        return f"moe.experts.{first + int(i)}.{rest}", first + int(i)
+    return name, None
+
+
+def _reference_grads(world_size, ep):
+    model = make_moe_model(seed=3, dtype=torch.float64, n_experts=2 * ep, **CONFIG)
+    loss = sum(shard_loss(model, *_shard(r), aux_coef=AUX) for r in range(world_size))
+    (loss / world_size).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _which_reduction(got, local, rank, name, world_size, ep):
+    """A phrase naming the (wrong) reduction `got` matches, or None."""
+    dp, ep_groups, dp_groups = _layout(world_size, ep)
+    groups = {"every rank": list(range(world_size)),
+              "its DP group (the ranks that hold the same experts)":
+                  next(g for g in dp_groups if rank in g),
+              "its EP group (the ranks that hold different experts)":
+                  next(g for g in ep_groups if rank in g),
+              "no other rank": [rank]}
+    for label, ranks in groups.items():
+        total = sum(local[r][name] for r in ranks)
+        for divisor in sorted({world_size, len(ranks), dp, ep, 1}):
+            if torch.allclose(got, total / divisor, atol=1e-12, rtol=1e-9):
+                return f"the sum over {label}, ranks {ranks}, divided by {divisor}"
+    return None
+
+
+def check_reduce_moe_gradients(fn, layouts=((4, 2), (6, 3), (6, 2))):
+    """fn(model, ep_size), called on every rank after backward, leaves every rank holding the
+    gradient of the global mean loss, on the (ep, dp) layout rank = e·dp + d."""
+    name = expect_arguments(fn, 2, "reduce_moe_gradients(model, ep_size)")
+    for ws, ep in layouts:
+        dp, ep_groups, dp_groups = _layout(ws, ep)
+        got = run_learner(_reduce_on_ranks, ws, fn, ep, name=name, timeout=TIMEOUT,
+                          deadlock_rule="dist.new_group must be called by every rank, for every "
+                                        "group, in the same order — also for the groups a rank "
+                                        "is not in.")
+        reference = _reference_grads(ws, ep)
+        local = [g[1] for g in got]
+        for rank, (first, _, reduced) in enumerate(got):
+            for pname, grad in reduced.items():
+                global_name, expert = _global_name(pname, first)
+                is_expert = expert is not None
+                where = (f"{name} with ep={ep}, dp={dp} ({ws} ranks): rank {rank}'s gradient of "
+                         f"{pname}" + (f" (its local expert, global expert {expert})"
+                                       if is_expert else ""))
+                if grad is None:
+                    raise CheckFailed(f"{where} is None after your function; it was set by "
+                                      f"backward.")
+                expected = reference[global_name]
+                if torch.allclose(grad, expected, atol=1e-12, rtol=1e-9):
+                    continue
+                matched = _which_reduction(grad, local, rank, pname, ws, ep)
+                right = (f"an expert's gradient already holds its EP group's tokens (they came "
+                         f"back through the all-to-all): sum it over the ranks that hold the same "
+                         f"experts, ranks {next(g for g in dp_groups if rank in g)}, and divide "
+                         f"by all {ws}" if is_expert else
+                         f"a replicated parameter saw only this rank's tokens: sum it over all "
+                         f"{ws} ranks and divide by {ws}")
+                said = where
+                try:
+                    compare(grad, expected, where, atol=1e-12, rtol=1e-9)
+                except CheckFailed as e:
+                    said = str(e)[:-1]
+                raise CheckFailed(f"{said}" + (f" — that is {matched}" if matched else "")
+                                  + f"; {right}.")
+    passed(f"{name} leaves every rank with the global gradient on (ep, dp) layouts ep×dp = "
+           f"{', '.join(f'{ep}×{ws // ep}' for ws, ep in layouts)}: each expert averaged with "
+           f"the ranks that hold it, everything else over every rank.")
