@@ -1,250 +1,330 @@
-"""Workbook 08's checkers pass right answers however they are written, and refuse wrong orders,
-wrong communication (read from the trace) and the course's own code, saying which."""
-import pytest
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed import irecv, isend
+"""Workbook 08's checkers pass right answers however they are written, refuse wrong structures,
+wrong formulas and the course's own code (also loaded again under another name), and say which
+rank, step, micro-batch - or which term of a formula - is wrong, and the rule."""
+import importlib.util
 
-from distlab import pipeline_parallel as pp
+import pytest
+
 from distlab import pipeline_schedules as ps
 from distlab.checks import CheckFailed, ch08
+from distlab.checks import ch08_sim as sim
 
 
-# ---- exercise 1: the 1F1B list of one stage ---------------------------------------------------------
+# ---- the checker's simulator agrees with the chapter's ------------------------------------------
 
-def one_f_one_b_stage(p, m, stage):
-    """The workbook's answer."""
-    warmup = min(p - 1 - stage, m)
-    actions = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        actions += [("F", warmup + i), ("B", i)]
-    return actions + [("B", i) for i in range(m - warmup, m)]
+@pytest.mark.parametrize("name, p, m, v", [("GPipe", 3, 5, 1), ("1F1B", 4, 6, 1), ("1F1B", 5, 2, 1),
+                                           ("interleaved 1F1B", 4, 8, 2),
+                                           ("interleaved 1F1B", 3, 6, 3)])
+def test_own_simulator_matches_the_chapters(name, p, m, v):
+    lists = ps.interleaved_1f1b(p, m, v) if v > 1 else ps.make_schedule(name, p, m)
+    ours = sim.simulate(sim.normalize(lists), m, lambda r, a: (1.0 if a.kind == "F" else 2.0) / v, v)
+    theirs = ps.simulate(lists, m)
+    assert sim.bubble(ours, p) == pytest.approx(ps.bubble_fraction(theirs), abs=1e-12)
+    starts = {(e["stage"], e["kind"], e["mb"], e["chunk"]): e["start"] for e in theirs}
+    assert all(starts[e["rank"], e["kind"], e["mb"], e["chunk"]] == pytest.approx(e["start"])
+               for e in ours)
 
 
-def one_f_one_b_counters(p, m, stage):
-    """Differently written: two counters and Action records, 'forward when allowed'."""
+@pytest.mark.parametrize("p, m", [(2, 1), (3, 5), (4, 8), (5, 3)])
+def test_checkers_1f1b_is_the_chapters(p, m):
+    assert ch08._one_f_one_b_slow_last(p, m) == sim.normalize(ps.one_f_one_b(p, m))
+
+
+def test_own_simulator_names_the_deadlock_cycle():
+    lists = [[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 1), ("F", 0), ("B", 0), ("B", 1)]]
+    with pytest.raises(sim.ScheduleError, match="rank 1, step 0 \\(F1\\) receives rank 0's "
+                                                "activation message number 0, but rank 0 sends "
+                                                "that one for micro-batch 0"):
+        sim.simulate(sim.normalize(lists), 2, lambda r, a: 1.0)
+    lists = [[("F", 0), ("B", 0)], [("B", 0), ("F", 0)]]
+    with pytest.raises(sim.ScheduleError, match="rank 1, step 0: B0 comes before its forward"):
+        sim.simulate(sim.normalize(lists), 1, lambda r, a: 1.0)
+
+
+# ---- exercise 1: interleaved 1F1B ---------------------------------------------------------------
+
+def interleaved_stage(p, m, v, rank):
+    """The workbook's answer: the forward order of (micro-batch, chunk) pairs, the backward order
+    the same with the chunks reversed, a warm-up, then one forward and one backward."""
+    forward = [(g + i, c) for g in range(0, m, p) for c in range(v) for i in range(p)]
+    backward = [(mb, v - 1 - c) for mb, c in forward]
+    warmup = min(2 * (p - 1 - rank) + (v - 1) * p, m * v)
+    fwd = iter([("F", mb, c) for mb, c in forward])
+    bwd = iter([("B", mb, c) for mb, c in backward])
+    actions = [next(fwd) for _ in range(warmup)]
+    for _ in range(m * v - warmup):
+        actions += [next(fwd), next(bwd)]
+    return actions + list(bwd)
+
+
+def interleaved_counters(p, m, v, rank):
+    """Differently written: two counters, Action records, 'forward while the warm-up allows'."""
+    n = m * v
+    warm = min(2 * (p - 1 - rank) + (v - 1) * p, n)
+
+    def nth(kind, k):
+        group, inside = divmod(k, p * v)
+        chunk = inside // p
+        return ps.Action(kind, group * p + inside % p, chunk if kind == "F" else v - 1 - chunk)
+
     actions, f, b = [], 0, 0
-    while b < m:
-        if f < m and f - b < p - stage:
-            actions.append(ps.Action("F", f))
+    while b < n:
+        if f < n and f - b <= warm and (f < warm or f - b == warm):
+            actions.append(nth("F", f))
             f += 1
         else:
-            actions.append(ps.Action("B", b))
+            actions.append(nth("B", b))
             b += 1
     return actions
 
 
-def gpipe_stage(p, m, stage):
-    """Wrong structure: GPipe's order (valid, same bubble, but m micro-batches held)."""
-    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+def looped_bfs(p, m, v, rank):
+    """Wrong structure: every forward first (no deadlock, the bubble is fine, memory is not)."""
+    forward = [(g + i, c) for g in range(0, m, p) for c in range(v) for i in range(p)]
+    return [("F", mb, c) for mb, c in forward] + [("B", mb, v - 1 - c) for mb, c in forward]
 
 
-def early_backward_stage(p, m, stage):
-    """Wrong order within 1F1B's memory: stage 0's first backward one slot early (it waits)."""
-    actions = one_f_one_b_stage(p, m, stage)
-    if stage == 0 and len(actions) > p + 1:
-        i = actions.index(("B", 0))
-        actions[i - 1], actions[i] = actions[i], actions[i - 1]
+def chunks_not_reversed(p, m, v, rank):
+    """Wrong structure: backwards visit the chunks in forward order (a waiting cycle)."""
+    return [(k, mb, c if k == "F" else v - 1 - c) for k, mb, c in interleaved_stage(p, m, v, rank)]
+
+
+def rank0_swaps_two_sends(p, m, v, rank):
+    """Wrong order: rank 0 sends micro-batch 1 before 0; rank 1 receives 0 first."""
+    actions = interleaved_stage(p, m, v, rank)
+    if rank == 0:
+        actions[0], actions[1] = actions[1], actions[0]
     return actions
 
 
-def cheat_stage(p, m, stage):
-    """Calls the course's schedule."""
-    return ps.one_f_one_b(p, m)[stage]
+def depth_first(p, m, v, rank):
+    """Valid and within memory, but each micro-batch goes through all chunks first: idles."""
+    forward = [(mb, c) for mb in range(m) for c in range(v)]
+    backward = [(mb, v - 1 - c) for mb, c in forward]
+    warmup = min(2 * (p - 1 - rank) + (v - 1) * p, m * v)
+    fwd = iter([("F", mb, c) for mb, c in forward])
+    bwd = iter([("B", mb, c) for mb, c in backward])
+    actions = [next(fwd) for _ in range(warmup)]
+    for _ in range(m * v - warmup):
+        actions += [next(fwd), next(bwd)]
+    return actions + list(bwd)
 
 
-def cheat_make_schedule(p, m, stage):
-    from distlab.pipeline_schedules import make_schedule
-    return make_schedule("1F1B", p, m)[stage]
+def cheat_course_schedule(p, m, v, rank):
+    return ps.interleaved_1f1b(p, m, v)[rank]
 
 
-# (the workbook's own answers pass in solutions/08 under nbval; here the other ways to write them)
-@pytest.mark.parametrize("fn", [one_f_one_b_counters])
-def test_1f1b_right_answers_pass(fn, capsys):
-    ch08.check_one_f_one_b(fn)
+def cheat_module_loaded_again(p, m, v, rank):
+    """The course's file loaded under another module name: new code objects, same answer."""
+    spec = importlib.util.spec_from_file_location("my_schedules", ps.__file__)
+    mine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mine)
+    return mine.interleaved_1f1b(p, m, v)[rank]
+
+
+def test_interleaved_right_answer_passes_and_trains_on_ranks(capsys):
+    ch08.check_interleaved(interleaved_counters)
+    assert "train exactly like one process on 3 real ranks with v=2" in capsys.readouterr().out
+
+
+def test_interleaved_workbook_answer_passes_the_simulation(capsys):
+    ch08.check_interleaved(interleaved_stage, run=None)   # its real run is nbval's, in solutions/
+
+
+@pytest.mark.parametrize("fn, message", [
+    (looped_bfs, r"with p=2, m=4, v=2, rank 0 holds 8 chunks' activations at once; interleaved "
+                 r"1F1B holds at most min\(2\(p-1-r\) \+ \(v-1\)p \+ 1, mv\) = 5 on rank 0"),
+    (chunks_not_reversed, r"with p=2, m=4, v=2: the schedule deadlocks: rank 0's step 5 \(B0 of "
+                          r"chunk 0\) waits for micro-batch 0's gradient from rank 1, which rank 1 "
+                          r"only sends at its step 3, and that step waits too; rank 1's step 3"),
+    (rank0_swaps_two_sends, r"with p=2, m=4, v=2: rank 1, step 0 \(F0 of chunk 0\) receives rank "
+                            r"0's activation message number 0, but rank 0 sends that one for "
+                            r"micro-batch 1 .*matched in the order they are sent"),
+    (depth_first, r"with p=2, m=4, v=2, your schedule's bubble is 0.333; interleaved 1F1B reaches "
+                  r"\(p-1\)/\(vm\+p-1\) = 0.111. The first action to start late: rank 0's step 2 "
+                  r"\(F1 of chunk 0\) starts at 3 chunk-forward times; in interleaved 1F1B it "
+                  r"starts at 1"),
+])
+def test_interleaved_wrong_structures_are_named(fn, message):
+    with pytest.raises(CheckFailed, match=message):
+        ch08.check_interleaved(fn, run=None)
+
+
+@pytest.mark.parametrize("fn", [cheat_course_schedule, cheat_module_loaded_again])
+def test_interleaved_course_schedule_is_refused(fn):
+    with pytest.raises(CheckFailed, match="course's own interleaved_1f1b.*write the interleaved "
+                                          "lists yourself"):
+        ch08.check_interleaved(fn, run=None)
+    assert repr(ps.interleaved_1f1b(2, 2, 2)[0][0]) == "F0"          # restored
+
+
+def test_interleaved_stub_says_not_written():
+    def stub(p, m, v, rank):
+        raise NotImplementedError
+    with pytest.raises(NotImplementedError, match="interleaved_stage is not written yet"):
+        ch08.check_interleaved(stub)
+
+
+def test_interleaved_not_a_list_is_one_sentence():
+    with pytest.raises(CheckFailed, match=r"rank 0, step 0: 'F0' is not an action like"):
+        ch08.check_interleaved(lambda p, m, v, rank: ["F0"], run=None)
+
+
+# ---- exercise 2: predict the bubble with a slow last stage ---------------------------------------
+
+def slow_stage_bubble(p, m, k):
+    """The workbook's answer: work over p times the step."""
+    return 1 - m * (p - 1 + k) / (p * ((p - 1) + m * k))
+
+
+def slow_stage_bubble_factored(p, m, k):
+    """Differently written: idle time over rank-time, with the idle counted per rank."""
+    step = (p - 1) + m * k
+    idle = (p - 1) * (step - m) + (step - m * k)     # p - 1 ranks work m, the last works m k
+    return idle / (p * step)
+
+
+def chapters_formula(p, m, k):
+    """Wrong: the equal-stage formula; right at k = 1 only."""
+    return (p - 1) / (m + p - 1)
+
+
+def ramp_at_the_slow_pace(p, m, k):
+    """Wrong fill/drain term: the ramp crosses the other stages at the slow stage's cost."""
+    return 1 - m * (p - 1 + k) / (p * (k * (p - 1) + m * k))
+
+
+def cheat_theory(p, m, k):
+    return ps.theory_bubble(p, m)
+
+
+def cheat_checker_closed_form(p, m, k):
+    return ch08._closed_form(p, m, k)
+
+
+@pytest.mark.parametrize("fn", [slow_stage_bubble, slow_stage_bubble_factored])
+def test_slow_stage_right_formulas_pass(fn, capsys):
+    ch08.check_slow_stage_bubble(fn)
     assert "✅" in capsys.readouterr().out
 
 
-def test_1f1b_gpipe_order_is_refused_for_its_memory():
-    with pytest.raises(CheckFailed, match=r"with p=2, m=4, stage 0 holds 4 micro-batches' "
-                                          r"activations at once; 1F1B holds at most p - stage = 2"):
-        ch08.check_one_f_one_b(gpipe_stage)
+def test_slow_stage_equal_stage_formula_names_the_steady_term():
+    with pytest.raises(CheckFailed, match=r"with p=2, m=2, k=2, your formula gives 0.3333; the "
+                                          r"simulated 1F1B run idles 0.4000 of the time \(closed "
+                                          r"form 0.4000\); the steady-state term is off: your "
+                                          r"formula implies each extra micro-batch adds 1.5 "
+                                          r"stage-times to the step - the mean stage's cost"):
+        ch08.check_slow_stage_bubble(chapters_formula)
 
 
-def test_1f1b_wrong_order_is_named_action_by_action():
-    with pytest.raises(CheckFailed, match=r"with p=2, m=4, stage 0's action 1 is B0; 1F1B runs "
-                                          r"F1 there \(stage 0 runs 1 warm-up forward, then "
-                                          r"alternates one forward and one backward"):
-        ch08.check_one_f_one_b(early_backward_stage)
+def test_slow_stage_wrong_ramp_names_the_fill_drain_term():
+    with pytest.raises(CheckFailed) as e:
+        ch08.check_slow_stage_bubble(ramp_at_the_slow_pace)
+    assert "with p=2, m=1, k=2" in str(e.value)
+    assert "the fill/drain term is off: your formula implies 2 stage-times" in str(e.value)
+    assert "steady-state" not in str(e.value)
 
 
-@pytest.mark.parametrize("fn", [cheat_stage, cheat_make_schedule])
-def test_1f1b_course_schedule_is_refused(fn):
-    with pytest.raises(CheckFailed, match="course's own .*one_f_one_b|course's own .*make_schedule"):
-        ch08.check_one_f_one_b(fn)
-    assert [repr(a) for a in ps.one_f_one_b(2, 2)[0]] == ["F0", "F1", "B0", "B1"]   # restored
+def test_slow_stage_out_of_range_is_one_sentence():
+    with pytest.raises(CheckFailed, match="a bubble is a share of the ranks' time, between 0 and 1"):
+        ch08.check_slow_stage_bubble(lambda p, m, k: (p - 1) * k / m + 1)
+    with pytest.raises(CheckFailed, match=r"slow_stage_bubble\(2, 1, 1\) should be a number; got "
+                                          r"str"):
+        ch08.check_slow_stage_bubble(lambda p, m, k: "0.5")
 
 
-def test_1f1b_stub_says_not_written():
-    def stub(p, m, stage):
+@pytest.mark.parametrize("fn, what", [(cheat_theory, "theory_bubble"),
+                                      (cheat_checker_closed_form, "_closed_form")])
+def test_slow_stage_course_code_is_refused(fn, what):
+    with pytest.raises(CheckFailed, match=f"course's own {what}.*work the bubble out yourself"):
+        ch08.check_slow_stage_bubble(fn)
+
+
+def test_slow_stage_stub_says_not_written():
+    def stub(p, m, k):
         raise NotImplementedError
-    with pytest.raises(NotImplementedError, match="one_f_one_b_stage is not written yet"):
-        ch08.check_one_f_one_b(stub)
+    with pytest.raises(NotImplementedError, match="slow_stage_bubble is not written yet"):
+        ch08.check_slow_stage_bubble(stub)
 
 
-# ---- exercise 2: the send/recv of one pipeline step -------------------------------------------------
+# ---- exercise 3: choosing m -------------------------------------------------------------------
 
-def pipeline_step(stage, x, y, rank, world_size, in_shape):
-    """The workbook's answer: blocking send/recv."""
-    if rank == 0:
-        inp = x
-    else:
-        inp = torch.empty(in_shape, dtype=x.dtype)
-        dist.recv(inp, src=rank - 1)
-        inp.requires_grad_()
-    out = stage(inp)
-    if rank == world_size - 1:
-        loss = F.mse_loss(out, y)
-        loss.backward()
-    else:
-        dist.send(out.detach(), dst=rank + 1)
-        grad = torch.empty_like(out)
-        dist.recv(grad, src=rank + 1)
-        out.backward(grad)
-        loss = None
-    if rank > 0:
-        dist.send(inp.grad, dst=rank - 1)
-    return None if loss is None else loss.item()
+def choose_m(p, k, gbs, dp, target, budget):
+    """The workbook's answer: the divisors of the pipeline's samples, smallest first."""
+    n = gbs // dp
+    for m in range(1, n + 1):
+        if n % m == 0 and slow_stage_bubble(p, m, k) <= target and min(p, m) * (n // m) <= budget:
+            return m
+    return None
 
 
-def pipeline_step_async(stage, x, y, rank, world_size, in_shape):
-    """Differently written: imported isend/irecv with wait(), autograd.backward, a tensor loss."""
-    inp = x
-    if rank > 0:
-        inp = torch.empty(in_shape, dtype=x.dtype)
-        irecv(inp, rank - 1).wait()
-        inp.requires_grad_()
-    out = stage(inp)
-    pending = []
-    if rank < world_size - 1:
-        pending.append(isend(out.detach().contiguous(), rank + 1))
-        grad = torch.empty_like(out)
-        irecv(grad, rank + 1).wait()
-        torch.autograd.backward(out, grad)
-        loss = None
-    else:
-        loss = F.mse_loss(out, y)
-        loss.backward()
-    if rank > 0:
-        pending.append(isend(inp.grad, rank - 1))
-    for work in pending:
-        work.wait()
-    return loss.detach() if loss is not None else None
+def choose_m_filtered(p, k, gbs, dp, target, budget):
+    """Differently written: every candidate filtered, the smallest of what is left."""
+    samples = gbs // dp
+    sizes = [mbs for mbs in range(samples, 0, -1) if samples % mbs == 0]   # biggest first
+    ok = [samples // mbs for mbs in sizes
+          if slow_stage_bubble_factored(p, samples // mbs, k) <= target
+          and min(p, samples // mbs) * mbs <= budget]
+    return ok[0] if ok else None
 
 
-def pipeline_step_batched(stage, x, y, rank, world_size, in_shape):
-    """Differently written: batch_isend_irecv for every exchange."""
-    inp = x
-    if rank > 0:
-        inp = torch.empty(in_shape, dtype=x.dtype)
-        for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, inp, rank - 1)]):
-            w.wait()
-        inp.requires_grad_()
-    out = stage(inp)
-    loss = None
-    if rank < world_size - 1:
-        grad = torch.empty_like(out)
-        ops = [dist.P2POp(dist.isend, out.detach(), rank + 1),
-               dist.P2POp(dist.irecv, grad, rank + 1)]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-        out.backward(grad)
-    else:
-        loss = F.mse_loss(out, y)
-        loss.backward()
-    if rank > 0:
-        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, inp.grad, rank - 1)]):
-            w.wait()
-    return None if loss is None else loss.item()
+def ignores_memory(p, k, gbs, dp, target, budget):
+    return choose_m(p, k, gbs, dp, target, 10 ** 9)
 
 
-def loss_to_rank0_step(stage, x, y, rank, world_size, in_shape):
-    """Wrong structure: right numbers, plus the last rank reports its loss to rank 0."""
-    loss = pipeline_step(stage, x, y, rank, world_size, in_shape)
-    if rank == world_size - 1:
-        dist.send(torch.tensor([loss], dtype=torch.float64), dst=0)
-    elif rank == 0:
-        dist.recv(torch.empty(1, dtype=torch.float64), src=world_size - 1)
-    return loss
+def ignores_divisibility(p, k, gbs, dp, target, budget):
+    return next((m for m in range(1, gbs // dp + 1) if slow_stage_bubble(p, m, k) <= target
+                 and min(p, m) * gbs / dp / m <= budget), None)
 
 
-def broadcast_forward_step(stage, x, y, rank, world_size, in_shape):
-    """Wrong structure: activations passed on with broadcasts (every rank gets every one)."""
-    width = 24                                   # the checker's MLP is 24 wide at every cut
-    inp = x
-    out = None
-    for src in range(world_size - 1):
-        if rank == src:
-            out = stage(inp)
-            buf = out.detach().clone()
-        else:
-            buf = torch.empty(len(x), width, dtype=x.dtype)
-        dist.broadcast(buf, src=src)
-        if rank == src + 1:
-            inp = buf.requires_grad_()
-    loss = None
-    if rank == world_size - 1:
-        loss = F.mse_loss(stage(inp), y)
-        loss.backward()
-    else:
-        grad = torch.empty_like(out)
-        dist.recv(grad, src=rank + 1)
-        out.backward(grad)
-    if rank > 0:
-        dist.send(inp.grad, dst=rank - 1)
-    return None if loss is None else loss.item()
+def equal_stages(p, k, gbs, dp, target, budget):
+    return choose_m(p, 1.0, gbs, dp, target, budget)
 
 
-def course_stage_step(stage, x, y, rank, world_size, in_shape):
-    """Cheat: let the course's PipelineStage do it."""
-    s = pp.PipelineStage([stage] * world_size, rank, world_size, (x.shape[1],))
-    return s.step([("F", 0), ("B", 0)], x, y, 1, F.mse_loss)
+def most_micro_batches(p, k, gbs, dp, target, budget):
+    n = gbs // dp
+    return n if choose_m(p, k, gbs, dp, target, budget) else None
 
 
-def reference_step(stage, x, y, rank, world_size, in_shape):
-    """Cheat: the checker's own reference."""
-    return ch08._reference([(x, y)])[0]["loss"] if rank == world_size - 1 else None
+def cheat_best_m(p, k, gbs, dp, target, budget):
+    return ch08._best_m(p, k, gbs, dp, target, budget)
 
 
-@pytest.mark.parametrize("fn", [pipeline_step_async, pipeline_step_batched])
-def test_step_right_answers_pass(fn, capsys):
-    ch08.check_pipeline_step(fn)
+@pytest.mark.parametrize("fn", [choose_m_filtered])
+def test_choose_m_right_answers_pass(fn, capsys):
+    ch08.check_choose_m(fn)
     assert "✅" in capsys.readouterr().out
 
 
-def test_step_extra_message_is_refused_from_the_trace():
-    with pytest.raises(CheckFailed, match=r"with world_size=3, rank 2 sent 8 B to rank 0; in a "
-                                          r"pipeline, rank r only sends its output to rank r\+1"):
-        ch08.check_pipeline_step(loss_to_rank0_step)
+@pytest.mark.parametrize("fn, message", [
+    (ignores_memory, r"with p=8, k=1.5, gbs=1024, dp=2 \(512 samples per pipeline\), target bubble "
+                     r"0.35, budget 32 samples on rank 0: with m=64 rank 0 holds min\(p, m\) = 8 "
+                     r"micro-batches of 8 samples = 64, above the budget of 32"),
+    (ignores_divisibility, r"with p=4, k=1, .*: m=12 does not cut the 128 samples of a pipeline "
+                           r"into equal micro-batches"),
+    (equal_stages, r"with p=4, k=2, .*target bubble 0.45.*: m=4 leaves a bubble of 0.545, above "
+                   r"the target 0.45 \(the last stage's k counts"),
+    (most_micro_batches, r"with p=4, k=1, .*: m=128 works, but m=16 does too with fewer, larger "
+                         r"micro-batches"),
+])
+def test_choose_m_wrong_choices_are_named(fn, message):
+    with pytest.raises(CheckFailed, match=message):
+        ch08.check_choose_m(fn)
 
 
-def test_step_collective_is_refused_from_the_trace():
-    with pytest.raises(CheckFailed, match=r"with world_size=3, rank 0 called broadcast \(the run's "
-                                          r"trace shows it\); in a pipeline"):
-        ch08.check_pipeline_step(broadcast_forward_step)
+def test_choose_m_none_when_one_exists():
+    with pytest.raises(CheckFailed, match=r"you returned None, but m=16 \(micro-batches of 8\) "
+                                          r"meets both"):
+        ch08.check_choose_m(lambda *args: None)
 
 
-@pytest.mark.parametrize("fn, what", [(course_stage_step, "PipelineStage"),
-                                      (reference_step, "_reference")])
-def test_step_course_code_is_refused(fn, what):
-    with pytest.raises(CheckFailed, match=f"your function called the course's own .*{what}; "
-                                          f"the exercise is to write the pipeline's send/recv"):
-        ch08.check_pipeline_step(fn)
+def test_choose_m_refuses_the_checkers_search():
+    with pytest.raises(CheckFailed, match="course's own _best_m.*choose m yourself"):
+        ch08.check_choose_m(cheat_best_m)
 
 
-def test_step_stub_says_not_written():
-    def stub(stage, x, y, rank, world_size, in_shape):
+def test_choose_m_stub_says_not_written():
+    def stub(p, k, gbs, dp, target, budget):
         raise NotImplementedError
-    with pytest.raises(NotImplementedError, match="pipeline_step is not written yet"):
-        ch08.check_pipeline_step(stub)
+    with pytest.raises(NotImplementedError, match="choose_m is not written yet"):
+        ch08.check_choose_m(stub)
