@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 import distlab
 from distlab import collectives, models
-from distlab.chrome_trace import from_chrome, to_chrome
+from distlab.chrome_trace import to_chrome
+from distlab.profiler_trace import from_chrome
 from distlab.profiler_trace import from_profiler
 
 matplotlib.use("Agg")
