@@ -9,7 +9,9 @@ no biases, bf16) is split with the course's own tensor-parallel layers
 (distlab.tensor_parallel.ColumnParallelLinear / RowParallelLinear, Megatron's layout): q, k, v
 and the SwiGLU's gate and up projections column-parallel, the attention output and down
 projections row-parallel; attention runs on each rank's heads through FlashAttention's op
-(aten._scaled_dot_product_flash_attention: what an H100 runs; torch's flop counter knows it).
+(aten._scaled_dot_product_flash_attention: what an H100 runs; torch's flop counter knows it;
+F.scaled_dot_product_attention on meta tensors would be charged as the CPU's fused kernel, whose
+FLOPs torch's counter does not count).
 
 For each tensor-parallel degree it prints the emulated step time of the block, the FLOPs and
 the bytes of collectives one rank issued (from the run's trace), and the ratio of the emulated

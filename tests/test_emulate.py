@@ -132,6 +132,24 @@ def test_meta_tensors_cost_what_real_tensors_of_the_same_shape_cost(capsys):
     assert "values not computed: meta tensors" in meta.trace.summary()
 
 
+def _attention(rank, world_size, device):
+    torch.manual_seed(0)
+    with torch.device(device):
+        q, k, v = (torch.randn(2, 4, 32, 16, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    y.float().pow(2).mean().backward()
+    return trace.now()
+
+
+def test_attention_on_meta_tensors_takes_the_kernel_real_tensors_take():
+    # On meta, torch would take the unfused math path (t × t scores in memory); emulation sends
+    # it to the CPU's fused kernel, so both are charged the same ops.
+    real = distlab.run(_attention, 1, "cpu", emulate=A100, timeout=30)
+    meta = distlab.run(_attention, 1, "meta", emulate=A100, timeout=30)
+    assert _timeline(meta.trace, 0) == _timeline(real.trace, 0) and meta[0] == real[0]
+
+
 HUGE = 25_000_000_000                    # float32 elements: 100 GB, far more than this machine
 
 

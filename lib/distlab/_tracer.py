@@ -30,6 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -233,6 +234,37 @@ def _on_meta(func, args, kwargs):
         raise MetaValueError(_value_sentence(what)) from None
 
 
+class _MetaFunctions(TorchFunctionMode):
+    """Under emulation: attention on meta tensors takes the kernel the CPU takes with real ones.
+
+    F.scaled_dot_product_attention picks its kernel by device before any op is dispatched: on
+    the CPU a fused flash kernel (inputs, output and its row statistics), on meta the unfused
+    math path, which materialises the t × t scores: at 4k tokens gigabytes of modeled memory
+    traffic a real run never has. Sending meta tensors to the CPU's kernel (it has a meta
+    implementation) charges the same ops as real tensors of that shape."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch._C._nn.scaled_dot_product_attention and _meta(args[:3]):
+            out = _flash_on_meta(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def _flash_on_meta(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   scale=None, enable_gqa=False):
+    """The CPU's flash kernel for the cases the CPU gives it (no mask, no dropout, 4-d inputs
+    with one head size); None for the others, which keep the math path."""
+    if attn_mask is not None or dropout_p or enable_gqa:
+        return None
+    if {t.dim() for t in (query, key, value)} != {4} or \
+            len({t.shape[-1] for t in (query, key, value)}) != 1:
+        return None
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, scale=scale)[0]
+
+
 class Recorder:
     """What one rank did: communication events and compute spans, on its clock."""
 
@@ -428,9 +460,15 @@ class Recorder:
         _patch()
         self._mode = _DeviceMode(self)
         self._mode.__enter__()
+        self._functions = _MetaFunctions() if self.clock is not None else None
+        if self._functions is not None:
+            self._functions.__enter__()
 
     def stop(self):
         global _active
+        if getattr(self, "_functions", None) is not None:
+            self._functions.__exit__(None, None, None)
+            self._functions = None
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
