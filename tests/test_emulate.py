@@ -190,8 +190,9 @@ def _needs_a_value(rank, world_size, what):
 @pytest.mark.parametrize("what", ["item", "tolist", "if", "mask"])
 def test_code_that_needs_a_value_of_a_meta_tensor_gets_a_sentence(what):
     with pytest.raises(distlab.RankFailed, match="needs the values of a tensor on the meta "
-                       "device.*run this code on real tensors at a small size"):
+                       "device.*run this code on real tensors at a small size") as failed:
         distlab.run(_needs_a_value, 1, what, emulate=A100, timeout=20)
+    assert "MetaValueError" in str(failed.value)
 
 
 def test_meta_tensors_in_a_run_that_is_not_emulated_get_a_sentence():

@@ -30,6 +30,9 @@ Inside a rank, mark what the timeline should name:
     with distlab.trace.span("forward"):  ...      # a named compute span
     distlab.trace.compute(seconds=0.004)          # compute of known modeled length (a straggler)
     distlab.trace.now()                           # this rank's clock (virtual under emulation)
+
+Under emulation the model and its inputs may live on the `meta` device (full size, no values;
+see distlab.emulate): code that needs a value then raises distlab.trace.MetaValueError.
 """
 import contextlib
 import math
@@ -40,6 +43,7 @@ from collections import defaultdict
 import torch
 
 from . import _tracer
+from ._tracer import MetaValueError  # noqa: F401  (public: distlab.trace.MetaValueError)
 from .emulate import describe
 
 
