@@ -13,6 +13,12 @@ projections row-parallel; attention runs on each rank's heads through FlashAtten
 F.scaled_dot_product_attention on meta tensors would be charged as the CPU's fused kernel, whose
 FLOPs torch's counter does not count).
 
+Then a data-parallel training step of a 1.26B-parameter Llama (TinyLlama-1.1B's shape) with
+the course's BucketedDDP, its bucketed gradient all-reduces overlapping backward, and SGD: the
+emulated step beside compute at the device's rate plus the whole all-reduce (no overlap). About
+half of the emulated step is memory-bound work that this closed form leaves out: bucket copies,
+the optimizer update and the gradients' accumulation move every parameter's bytes several times.
+
 For each tensor-parallel degree it prints the emulated step time of the block, the FLOPs and
 the bytes of collectives one rank issued (from the run's trace), and the ratio of the emulated
 time to a closed form: the block's matmul and attention FLOPs at the device's modeled rate
@@ -25,7 +31,8 @@ whole (replicated) activations on every rank, which sequence parallelism would s
 legacy h100-nvlink preset this prints about 5.7 / 4.1 / 3.3 ms at tp 2 / 4 / 8, 1.7-2.3 times
 the closed form.
 
-    python bench/fullsize.py [--preset h100-nvlink] [--tp 2,4,8] [--tokens 4096]
+    python bench/fullsize.py [--preset h100-nvlink] [--tp 2,4,8] [--tokens 4096] [--dp 2,8]
+                             [--dp-tokens 2048]
 """
 import argparse
 
@@ -149,11 +156,80 @@ def measure(tp, preset="h100-nvlink", config=LLAMA2_7B, tokens=4096, timeout=120
                 ratio=max(results) / formula, meta=t.meta)
 
 
+# ---- a data-parallel step of a 1.2B model -----------------------------------------------------
+
+# TinyLlama-1.1B's shape (Zhang et al. 2024, "TinyLlama: An Open-Source Small Language Model",
+# table 1: 22 layers, hidden 2048, 32 heads, SwiGLU 5632, vocabulary 32000), with full
+# multi-head attention instead of its 4 key/value heads: 1.26B parameters.
+TINYLLAMA = dict(layers=22, hidden=2048, heads=32, ffn=5632, vocab=32000, eps=1e-5,
+                 dtype=torch.bfloat16)
+
+
+class Model(nn.Module):
+    def __init__(self, layers, hidden, heads, ffn, vocab, eps, dtype, group):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden, dtype=dtype)
+        self.blocks = nn.ModuleList(Block(hidden, heads, ffn, eps, dtype, group)
+                                    for _ in range(layers))
+        self.norm = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
+        self.head = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+
+    def forward(self, tokens, cos, sin):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+def dp_step(rank, world_size, config, tokens, bucket_mb=25.0, device="meta"):
+    """One data-parallel training step (forward, backward with the course's BucketedDDP
+    overlapping its bucketed all-reduces, SGD) of `tokens` tokens per rank."""
+    from distlab.data_parallel import BucketedDDP
+    config = dict(config)
+    # Every rank is its own tensor-parallel group of one: the blocks' layers stay whole.
+    alone = [torch.distributed.new_group([r]) for r in range(world_size)][rank]
+    with torch.device(device):
+        model = Model(**config, group=alone)
+        ids = torch.randint(config["vocab"], (1, tokens))
+        angles = torch.randn(tokens, config["hidden"] // config["heads"], dtype=config["dtype"])
+        cos, sin = angles.cos(), angles.sin()
+    ddp = BucketedDDP(model, bucket_cap_mb=bucket_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    start = trace.now()
+    with trace.span("step"):
+        logits = ddp(ids, cos, sin)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+        loss.backward()
+        opt.step()
+    return trace.now() - start, sum(p.numel() for p in model.parameters())
+
+
+def measure_dp(world_size, preset="h100-nvlink", config=TINYLLAMA, tokens=2048, timeout=120):
+    """An emulated data-parallel step: rank 0's numbers beside the closed form (compute at the
+    device's rate + the gradient all-reduce, unhidden: an upper bound of the overlapped step)."""
+    cluster = resolve(preset)
+    results = distlab.run(dp_step, world_size, config, tokens, emulate=cluster, timeout=timeout)
+    seconds, params = max(r[0] for r in results), results[0][1]
+    t = results.trace
+    flops = sum(s["flops"] or 0 for s in t.compute(0) if s["name"] == "step")
+    # The data-parallel all-reduces (the blocks' tensor-parallel ones run in groups of one).
+    events = [e for e in t.comm(0) if e["label"] == ["step"] and len(e["group"]) == world_size]
+    grad_bytes = params * torch.finfo(config["dtype"]).bits // 8
+    compute = cluster.device.seconds(flops, 0, config["dtype"])
+    comm = comm_seconds("all_reduce", grad_bytes, world_size,
+                        cluster.link_between(range(world_size)))
+    return dict(world_size=world_size, params=params, seconds=seconds, flops=flops,
+                comm_bytes=sum(e["bytes"] for e in events), buckets=len(events),
+                compute=compute, comm=comm, ratio=seconds / (compute + comm), meta=t.meta)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="h100-nvlink")
     parser.add_argument("--tp", default="2,4,8")
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--dp", default="2,8")
+    parser.add_argument("--dp-tokens", type=int, default=2048)
     args = parser.parse_args()
     print(f"Llama-2 7B block, {args.tokens} tokens, bf16, forward + backward on the meta device "
           f"(emulated on {args.preset}; no values computed)")
@@ -167,6 +243,17 @@ def main():
         if abs(r["flops"] - r["closed_form_flops"]) > 1e-6 * r["flops"]:
             print(f"    FLOPs: the trace counts {r['flops']:.4g}, the formula "
                   f"{r['closed_form_flops']:.4g}")
+    print()
+    print(f"Data-parallel step of a {TINYLLAMA['layers']}-layer Llama (TinyLlama-1.1B's shape, "
+          f"full attention heads), {args.dp_tokens} tokens per rank, bf16, the course's "
+          f"BucketedDDP (emulated on {args.preset}; no values computed)")
+    print(f"{'dp':>3} {'params':>8} {'step (emulated)':>16} {'TFLOP/rank':>11} "
+          f"{'all-reduced GB':>15} {'buckets':>8} {'compute + comm':>15} {'emulated/closed':>16}")
+    for dp in (int(n) for n in args.dp.split(",")):
+        r = measure_dp(dp, args.preset, tokens=args.dp_tokens)
+        print(f"{dp:>3} {r['params'] / 1e9:>7.2f}B {r['seconds'] * 1e3:>13.1f} ms "
+              f"{r['flops'] / 1e12:>11.1f} {r['comm_bytes'] / 1e9:>15.2f} {r['buckets']:>8} "
+              f"{(r['compute'] + r['comm']) * 1e3:>12.1f} ms {r['ratio']:>16.2f}")
 
 
 if __name__ == "__main__":

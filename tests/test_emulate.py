@@ -150,6 +150,31 @@ def test_attention_on_meta_tensors_takes_the_kernel_real_tensors_take():
     assert _timeline(meta.trace, 0) == _timeline(real.trace, 0) and meta[0] == real[0]
 
 
+def _bucketed_ddp(rank, world_size, device):
+    import torch.nn.functional as F
+    from distlab.data_parallel import BucketedDDP
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
+        x, y = torch.randn(16, 128), torch.randn(16, 128)
+    ddp = BucketedDDP(model, bucket_cap_mb=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return trace.now()
+
+
+def test_the_course_ddp_on_meta_tensors_has_the_timeline_of_real_ones():
+    real = distlab.run(_bucketed_ddp, 2, "cpu", emulate=A100, timeout=30)
+    meta = distlab.run(_bucketed_ddp, 2, "meta", emulate=A100, timeout=30)
+    assert len(real.trace.comm(0, op="all_reduce")) >= 4          # several buckets per step
+    for rank in range(2):
+        assert _timeline(meta.trace, rank) == _timeline(real.trace, rank)
+    assert list(meta) == list(real)
+
+
 HUGE = 25_000_000_000                    # float32 elements: 100 GB, far more than this machine
 
 
@@ -235,3 +260,12 @@ def test_the_full_size_benchmark_runs_a_small_llama_block():
     assert r["comm_bytes"] == 4 * 128 * 256 * 2
     assert r["flops"] == r["closed_form_flops"]
     assert r["seconds"] > 0 and r["ratio"] >= 1.0
+
+
+def test_the_full_size_benchmark_runs_a_small_data_parallel_step():
+    fullsize = _fullsize()
+    config = dict(fullsize.TINYLLAMA, layers=2, hidden=128, heads=4, ffn=344, vocab=512)
+    r = fullsize.measure_dp(2, "h100-nvlink", config, tokens=64, timeout=60)
+    assert r["meta"] and r["buckets"] >= 1
+    assert r["comm_bytes"] == r["params"] * 2                  # every bf16 gradient, once
+    assert r["seconds"] > 0 and r["flops"] > 0
