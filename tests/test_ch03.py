@@ -360,3 +360,94 @@ def test_stubs_give_one_line_not_implemented():
     for check in (ch03.check_ring_all_reduce, ch03.check_tree_broadcast):
         with pytest.raises(NotImplementedError, match="is not written yet"):
             check(stub)
+
+
+# ---- predict, then run: the hierarchical all-reduce's α-β time -----------------------------------
+
+def hierarchical_seconds(S, M, G, intra, inter):        # as the workbook's solution
+    return (2 * (G - 1) * intra.alpha + 2 * (G - 1) / G * S / intra.bandwidth
+            + 2 * (M - 1) * inter.alpha + 2 * (M - 1) / M * (S / G) / inter.bandwidth)
+
+
+def hierarchical_by_phases(S, M, G, intra, inter):      # differently written: phase by phase
+    def ring(steps, piece, link):
+        return steps * (link.alpha + piece / link.bandwidth)
+    inside = ring(G - 1, S / G, intra)                  # reduce-scatter; the all-gather: the same
+    between = ring(2 * (M - 1), S / G / M, inter)
+    return 2 * inside + between
+
+
+def flat_ring_between_nodes(S, M, G, intra, inter):     # one ring of all M·G GPUs, on the NICs
+    n = M * G
+    return 2 * (n - 1) * inter.alpha + 2 * (n - 1) / n * S / inter.bandwidth
+
+
+def whole_tensor_between_nodes(S, M, G, intra, inter):
+    return (2 * (G - 1) * intra.alpha + 2 * (G - 1) / G * S / intra.bandwidth
+            + 2 * (M - 1) * inter.alpha + 2 * (M - 1) / M * S / inter.bandwidth)
+
+
+def half_the_steps(S, M, G, intra, inter):
+    return ((G - 1) * intra.alpha + 2 * (G - 1) / G * S / intra.bandwidth
+            + 2 * (M - 1) * inter.alpha + 2 * (M - 1) / M * (S / G) / inter.bandwidth)
+
+
+def with_the_course_model(S, M, G, intra, inter):
+    from distlab import cost
+    return (cost.predict("ring_reduce_scatter", S, G, intra)
+            + cost.predict("ring_all_reduce", S / G, M, inter)
+            + cost.predict("ring_all_gather", S, G, intra))
+
+
+def with_the_reference(S, M, G, intra, inter):
+    return ch03._hierarchical_reference(S, M, G, intra, inter)
+
+
+def test_hierarchical_estimate_accepts_right_formulas():
+    ch03.check_hierarchical_estimate(hierarchical_seconds)
+    ch03.check_hierarchical_estimate(hierarchical_by_phases)
+
+
+def test_hierarchical_estimate_names_the_wrong_term():
+    with pytest.raises(CheckFailed, match=r"S = 4096 B on 2 nodes × 4 GPUs: your estimate misses "
+                                          r"the intra-node latency term — it counts nothing, the "
+                                          r"algorithm pays 2\(G-1\) = 6·α_intra"):
+        ch03.check_hierarchical_estimate(flat_ring_between_nodes)
+    with pytest.raises(CheckFailed, match=r"has the inter-node bandwidth term wrong — it counts "
+                                          r"1·S/B_inter, the algorithm pays 2\(M-1\)/\(M·G\) = "
+                                          r"0\.25·S/B_inter \(only this GPU's shard, S/G"):
+        ch03.check_hierarchical_estimate(whole_tensor_between_nodes)
+    with pytest.raises(CheckFailed, match=r"intra-node latency term wrong — it counts 3·α_intra, "
+                                          r"the algorithm pays 2\(G-1\) = 6·α_intra"):
+        ch03.check_hierarchical_estimate(half_the_steps)
+    with pytest.raises(CheckFailed, match=r"course's own predict; the exercise is to write the "
+                                          r"formula yourself"):
+        ch03.check_hierarchical_estimate(with_the_course_model)
+    with pytest.raises(CheckFailed, match=r"course's own _hierarchical_reference"):
+        ch03.check_hierarchical_estimate(with_the_reference)
+
+
+def test_hierarchical_estimate_stub_is_not_written():
+    def hierarchical_seconds(S, M, G, intra, inter):
+        raise NotImplementedError("exercise: replace this line with your code")
+    with pytest.raises(NotImplementedError, match="is not written yet"):
+        ch03.check_hierarchical_estimate(hierarchical_seconds)
+
+
+def test_every_exercise_has_two_folded_hints_and_no_dictated_algorithm():
+    import pathlib
+    import nbformat
+    path = (pathlib.Path(__file__).resolve().parent.parent / "solutions"
+            / "03_collectives_from_scratch.ipynb")
+    cells = nbformat.read(path, as_version=4).cells
+    starts = [i for i, c in enumerate(cells) if c.source.startswith("## Exercise")]
+    assert len(starts) == 3
+    for i in starts:
+        hints = []
+        for c in cells[i + 1:]:
+            if c.cell_type == "code":
+                break
+            hints.append(c.source.startswith("<details><summary><b>Hint"))
+        assert sum(hints) == 2, f"{cells[i].source.splitlines()[0]}: {sum(hints)} folded hints"
+        # the statement gives the task, not the algorithm: the indices live in the hints
+        assert "(rank - step" not in cells[i].source and "mask" not in cells[i].source
