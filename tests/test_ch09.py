@@ -93,6 +93,11 @@ def route_by_own_slot_gate(logits, k, capacity_factor):     # priority per slot 
     return experts, gates, keep
 
 
+def route_ties_to_the_later(logits, k, capacity_factor):  # equal priorities: the later token first
+    flipped = route_loops(logits.flip(0), k, capacity_factor)
+    return tuple(t.flip(0) for t in flipped)
+
+
 def route_detached(logits, k, capacity_factor):
     experts, gates, keep = route_loops(logits, k, capacity_factor)
     return experts, gates.detach(), keep
@@ -124,6 +129,10 @@ def test_prioritized_route_refuses_wrong_ones():
     with pytest.raises(CheckFailed, match=r"token \d+'s choice 2 \(expert \d\) was (kept|dropped)"
                                           r".*top-1 probability"):
         ch09.check_prioritized_route(route_by_own_slot_gate, world_sizes=(2,))
+    with pytest.raises(CheckFailed, match=r"tokens 1 and 3 tied for expert 2's last place: token "
+                                          r"1's choice 1 \(expert 2\) was dropped.*\(ties: the "
+                                          r"earlier token first\)"):
+        ch09.check_prioritized_route(route_ties_to_the_later, world_sizes=(2,))
     with pytest.raises(CheckFailed, match=r"gates carry no gradient back to the logits"):
         ch09.check_prioritized_route(route_detached, world_sizes=(2,))
     with pytest.raises(CheckFailed, match=r"course's own route; the exercise is to write the "
@@ -334,3 +343,19 @@ def test_stubs_are_reported_as_not_written():
                   ch09.check_reduce_moe_gradients):
         with pytest.raises(NotImplementedError, match="is not written yet"):
             check(stub)
+
+
+def test_every_exercise_has_two_folded_hints():
+    import pathlib
+    import nbformat
+    path = pathlib.Path(__file__).resolve().parent.parent / "solutions" / "09_expert_parallel.ipynb"
+    cells = nbformat.read(path, as_version=4).cells
+    starts = [i for i, c in enumerate(cells) if c.source.startswith("## Exercise")]
+    assert len(starts) == 3
+    for i in starts:
+        hints = []
+        for c in cells[i + 1:]:
+            if c.cell_type == "code":
+                break
+            hints.append(c.source.startswith("<details><summary><b>Hint"))
+        assert sum(hints) == 2, f"{cells[i].source.splitlines()[0]}: {sum(hints)} folded hints"

@@ -180,9 +180,15 @@ def _route_cases():
     big = 100.0 + 5.0 * torch.randn(12, 4, generator=g, dtype=torch.float32)
     big[:8, 2] += 8.0
     big[5] = big[1]
-    cases.append(("12 tokens, 4 experts, k=2, capacity_factor=1.0, float32 logits near 100 "
-                  "(tokens 1 and 5 tie)", big, 2, 1.0))
-    cases.append(("the same large float32 logits, k=1, capacity_factor=1.0", big.clone(), 1, 1.0))
+    cases.append(("12 tokens, 4 experts, k=2, capacity_factor=1.0, float32 logits near 100",
+                  big, 2, 1.0))
+    # A tie that decides: expert 2 holds 2; token 4 is surest, tokens 1 and 3 tie for the other
+    # place, and the earlier one (1) keeps it.
+    tie = torch.tensor([[101, 100, 104, 100], [100, 102, 106, 101], [100, 100, 103, 101],
+                        [100, 102, 106, 101], [100, 101, 110, 100], [105, 100, 101, 100],
+                        [100, 104, 100, 101], [100, 101, 100, 103]], dtype=torch.float32)
+    cases.append(("8 tokens, 4 experts, k=1, capacity_factor=1.0, float32 logits near 100, tokens "
+                  "1 and 3 tied for expert 2's last place", tie, 1, 1.0))
     return cases
 
 
