@@ -12,7 +12,7 @@ VIRTUAL clock instead, advanced only by what a real accelerator would spend time
   every participant has launched it and its link is free. Async handles complete at that modeled
   time: `wait()` moves the caller's clock forward only if the transfer is not done yet.
 
-The real tensors still flow through gloo, so results are exact and identical to a plain run;
+Real tensors still flow through gloo, so results are exact and identical to a plain run;
 only time is modeled. The clocks are deterministic: an emulated timeline is the same on every
 run and every machine. Host (Python) overhead costs nothing on the virtual clock.
 
@@ -23,8 +23,8 @@ charged from its shapes exactly as on real tensors of that shape; a collective o
 meta tensors is charged on the clock and never reaches gloo; nothing is computed, and the
 emulated line says so ("values not computed: meta tensors"). Code that needs a value (`.item()`,
 an `if` on a tensor, `.tolist()`, data-dependent routing) stops with a sentence that says to run
-it on real tensors at a small size (distlab._tracer.MetaValueError); so does sending meta
-tensors in a run that is not emulated.
+it on real tensors at a small size (distlab.trace.MetaValueError); so does sending meta
+tensors in a run that is traced but not emulated (a plain run does not look at its tensors).
 
 Ranks agree on when a transfer starts through the launcher's TCP store, outside the process
 groups being traced, and launching never waits for a peer: at launch a rank only publishes when
@@ -42,7 +42,6 @@ on a peer's link behind a transfer that some member launches only after this wai
 this one-link model the message cannot leave before the all_reduce is done (NCCL would run it).
 """
 import json
-from dataclasses import dataclass
 
 import torch
 
