@@ -119,3 +119,14 @@ def test_a_transformer_step_is_priced_from_its_parts():
                                   tp=2, pp=2)
     assert parts["step"] > parts["compute"] > 0 and parts["bubble"] > 0 and parts["tp"] > 0
     assert math.isfinite(parts["dp"]) and parts["dp_size"] == 16
+
+
+def test_the_first_presets_have_calibrated_twins_of_the_same_shape():
+    legacy, calibrated = emulate.LEGACY if hasattr(emulate, "LEGACY") else None, \
+        hardware.CALIBRATED_LEGACY
+    for name, cluster in calibrated.items():
+        old = emulate.PRESETS[name] if legacy is None else legacy[name]
+        assert (cluster.name, cluster.ranks_per_node) == (old.name, old.ranks_per_node)
+        assert (cluster.inter is None) == (old.inter is None)
+    ring = calibrated["a100-ethernet"].inter.alpha_beta()
+    assert isinstance(ring, cost.Link) and ring.alpha == pytest.approx(10e-6) and ring.bandwidth == 10e9

@@ -256,6 +256,12 @@ class Link:
         steps, volume = TERMS[_TERM[op]](nbytes, world_size)
         return self.latency + steps * self.hop + volume / self.busbw(op)
 
+    def alpha_beta(self):
+        """The link as chapter 03's α-β model sees a ring built from messages: α = a message's
+        latency, B = its bandwidth (a distlab.cost.Link)."""
+        from .cost import Link as AlphaBeta
+        return AlphaBeta(self.alpha, self.bandwidth, self.name)
+
     def ideal(self):
         """The same link at its line rate, with the same latencies."""
         rate = self.datasheet or self.bandwidth
@@ -561,3 +567,18 @@ def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micr
     exposed_dp = 0.0 if overlap_dp else dp_comm
     return dict(step=compute + bubble + tp_comm + pp_comm + exposed_dp, compute=compute,
                 bubble=bubble, tp=tp_comm, pp=pp_comm, dp=dp_comm, micro_batches=m, dp_size=dp)
+
+
+# The course's first presets, by name, on the calibrated model (what distlab.emulate's names
+# 'a100-nvlink', 'h100-nvlink', 'h100-ib', 'h100-2nodes' and 'a100-ethernet' mean once switched):
+# the same node shapes, achieved rates, NCCL's latencies, one NIC per GPU across nodes.
+CALIBRATED_LEGACY = {
+    "a100-nvlink": _node("A100 node", A100, NVLINK3, "calibrated: see distlab.hardware"),
+    "h100-nvlink": _node("H100 node", H100, NVLINK4, "calibrated: see distlab.hardware"),
+    "h100-ib": _multi("H100s, one per node, over InfiniBand", H100, NVLINK4, IB_NDR, 1, 1,
+                      "calibrated: one NDR 400 Gb/s NIC per GPU"),
+    "h100-2nodes": _multi("two H100 nodes", H100, NVLINK4, IB_NDR, 4, 4,
+                          "calibrated: nodes of 4 H100s, one NDR NIC per GPU", nodes=2),
+    "a100-ethernet": _multi("A100s, one per node, over 100 Gb Ethernet", A100, NVLINK3, ETH_100G,
+                            1, 1, "calibrated: one 100 Gb/s Ethernet NIC per GPU"),
+}
