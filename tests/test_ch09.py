@@ -315,6 +315,10 @@ def test_reduce_moe_gradients_accepts_right_answers():
 
 
 def test_reduce_moe_gradients_refuses_wrong_ones():
+    with pytest.raises(CheckFailed, match=r"ep=3, dp=2 .*rank 0's gradient of moe\.experts\.0\."
+                                          r".*that is the sum over ranks \[0, 3\], divided by 6 "
+                                          r"\(rank 3 holds other experts\)"):
+        ch09.check_reduce_moe_gradients(reduce_chapter_layout, layouts=((6, 3),))
     with pytest.raises(CheckFailed, match=r"ep=2, dp=2 \(4 ranks\): rank \d's gradient of "
                                           r"moe\.experts\.\d\.\w+\.\w+ \(its local expert, global "
                                           r"expert \d\).*that is the sum over its EP group \(the "
@@ -328,8 +332,8 @@ def test_reduce_moe_gradients_refuses_wrong_ones():
                                           r"ranks that hold the same experts\), ranks \[\d, \d\], "
                                           r"divided by 2; .*divide by all 6"):
         ch09.check_reduce_moe_gradients(reduce_experts_by_dp, layouts=((6, 3),))
-    with pytest.raises(CheckFailed, match=r"that is the sum over no other rank, ranks \[\d\], "
-                                          r"divided by 1"):
+    with pytest.raises(CheckFailed, match=r"that is this rank's own gradient: nothing from the "
+                                          r"other ranks was added to it; a replicated parameter"):
         ch09.check_reduce_moe_gradients(reduce_decoy, layouts=((4, 2),))
     with pytest.raises(CheckFailed, match=r"course's own reduce_gradients"):
         ch09.check_reduce_moe_gradients(reduce_course, layouts=((4, 2),))

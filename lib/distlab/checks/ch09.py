@@ -371,15 +371,12 @@ def _group_layer_on_ranks(rank, world_size, fn, cf, top_k):
 
 
 def _explain_group_keep(name, ws, rank, t, slot, e, got, place, capacity, sizes):
-    before = (f"the first choices of all {ws} ranks" if slot else
-              f"the first choices of rank{'s' if rank != 1 else ''} "
-              f"{', '.join(map(str, range(rank))) or 'none before it'}")
     if got:
         return (f"{name} with EP={ws}: rank {rank} kept its token {t}'s choice {slot + 1} "
                 f"(expert {e}), but expert {e} holds {capacity} assignments for the whole group "
-                f"and this one is number {place + 1} in its queue — {before} and the earlier "
-                f"tokens come first. The capacity counts every rank's assignments, not only "
-                f"this rank's.")
+                f"and this one is number {place + 1} in the group's queue — every rank's first "
+                f"choices (rank 0 first, then rank 1, ...), then every rank's second choices, "
+                f"each rank's tokens in order. Token counts this time: {sizes}.")
     return (f"{name} with EP={ws}: rank {rank} dropped its token {t}'s choice {slot + 1} (expert "
             f"{e}), but it is number {place + 1} in expert {e}'s queue of the whole group and "
             f"the capacity is {capacity} — the group's queue: every rank's first choices (rank 0 "
@@ -500,12 +497,29 @@ def _which_reduction(got, local, rank, name, world_size, ep):
                   next(g for g in dp_groups if rank in g),
               "its EP group (the ranks that hold different experts)":
                   next(g for g in ep_groups if rank in g),
-              "no other rank": [rank]}
+              "this rank alone": [rank]}
     for label, ranks in groups.items():
         total = sum(local[r][name] for r in ranks)
         for divisor in sorted({world_size, len(ranks), dp, ep, 1}):
             if torch.allclose(got, total / divisor, atol=1e-12, rtol=1e-9):
+                if ranks == [rank]:
+                    return (f"this rank's own gradient"
+                            f"{f' divided by {divisor}' if divisor != 1 else ''}: nothing from "
+                            f"the other ranks was added to it")
                 return f"the sum over {label}, ranks {ranks}, divided by {divisor}"
+    # Another group (the chapter's layout on this one, say): try every set of ranks with this one.
+    others = [r for r in range(world_size) if r != rank]
+    same = next(g for g in dp_groups if rank in g)
+    for mask in range(1, 2 ** len(others)):
+        ranks = sorted([rank] + [r for i, r in enumerate(others) if mask >> i & 1])
+        total = sum(local[r][name] for r in ranks)
+        for divisor in sorted({world_size, len(ranks), dp, ep}):
+            if torch.allclose(got, total / divisor, atol=1e-12, rtol=1e-9):
+                strangers = ", ".join(str(r) for r in ranks if r not in same)
+                several = "," in strangers
+                return (f"the sum over ranks {ranks}, divided by {divisor} (rank"
+                        f"{'s' if several else ''} {strangers} hold{'' if several else 's'} "
+                        f"other experts)")
     return None
 
 
