@@ -269,3 +269,14 @@ def test_the_full_size_benchmark_runs_a_small_data_parallel_step():
     assert r["meta"] and r["buckets"] >= 1
     assert r["comm_bytes"] == r["params"] * 2                  # every bf16 gradient, once
     assert r["seconds"] > 0 and r["flops"] > 0
+
+
+def _returns_meta(rank, world_size):
+    with torch.device("meta"):
+        w = torch.nn.Linear(8, 4)
+    return w(torch.ones(2, 8, device="meta"))
+
+
+def test_a_meta_tensor_a_rank_returns_comes_back_as_its_shape():
+    out = distlab.run(_returns_meta, 1, emulate=A100, timeout=20)[0]
+    assert out.is_meta and out.shape == (2, 4) and not out.requires_grad

@@ -36,8 +36,9 @@ class _ResultPickler(_Pickler):
 
     def reducer_override(self, obj):
         import torch
-        if isinstance(obj, torch.Tensor) and (obj.requires_grad or obj.device.type != "cpu"):
-            return _same, (obj.detach().cpu(),)
+        if isinstance(obj, torch.Tensor) and \
+                (obj.requires_grad or obj.device.type not in ("cpu", "meta")):
+            return _same, (_detached(obj),)
         return super().reducer_override(obj)
 
 
@@ -72,12 +73,17 @@ def pickle_payload(fn, args, kwargs):
             f"locks or generators inside the function.") from None
 
 
+def _detached(tensor):
+    # A meta tensor (a full-size run under emulation) comes back as it is: a shape and a dtype.
+    return tensor.detach() if tensor.is_meta else tensor.detach().cpu()
+
+
 def to_cpu(obj):
     """A rank's result as the notebook should get it: tensors detached and on the CPU, also
     inside lists, tuples, dicts, named tuples and torch.return_types (y.max(dim=0))."""
     import torch
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        return _detached(obj)
     if type(obj) in (list, tuple):
         return type(obj)(to_cpu(x) for x in obj)
     if isinstance(obj, tuple) and hasattr(type(obj), "n_fields"):      # torch.return_types.*
