@@ -17,7 +17,8 @@ from distlab.checks import ch08_sim as sim
                                            ("interleaved 1F1B", 3, 6, 3)])
 def test_own_simulator_matches_the_chapters(name, p, m, v):
     lists = ps.interleaved_1f1b(p, m, v) if v > 1 else ps.make_schedule(name, p, m)
-    ours = sim.simulate(sim.normalize(lists), m, lambda r, a: (1.0 if a.kind == "F" else 2.0) / v, v)
+    ours = sim.simulate(sim.normalize(lists), m,
+                        lambda r, a: (1.0 if a.kind == "F" else 2.0) / v, v)
     theirs = ps.simulate(lists, m)
     assert sim.bubble(ours, p) == pytest.approx(ps.bubble_fraction(theirs), abs=1e-12)
     starts = {(e["stage"], e["kind"], e["mb"], e["chunk"]): e["start"] for e in theirs}
@@ -226,7 +227,8 @@ def test_slow_stage_wrong_ramp_names_the_fill_drain_term():
 
 
 def test_slow_stage_out_of_range_is_one_sentence():
-    with pytest.raises(CheckFailed, match="a bubble is a share of the ranks' time, between 0 and 1"):
+    with pytest.raises(CheckFailed, match="a bubble is a share of the ranks' time, between 0 "
+                                          "and 1"):
         ch08.check_slow_stage_bubble(lambda p, m, k: (p - 1) * k / m + 1)
     with pytest.raises(CheckFailed, match=r"slow_stage_bubble\(2, 1, 1\) should be a number; got "
                                           r"str"):

@@ -148,9 +148,10 @@ def _judge_interleaved(schedule, p, m, v):
         raise CheckFailed(
             f"{case}, your schedule's bubble is {got:.3f}; interleaved 1F1B reaches "
             f"(p-1)/(vm+p-1) = {best:.3f}. The first action to start late: rank {e['rank']}'s "
-            f"step {e['step']} ({sim.describe(a, v)}) starts at {e['start'] * v:.3g} chunk-forward "
-            f"times; in interleaved 1F1B it starts at {could * v:.3g} - a rank idles whenever the next "
-            f"action on its list waits for an input while another it could run is ready.")
+            f"step {e['step']} ({sim.describe(a, v)}) starts at {e['start'] * v:.3g} "
+            f"chunk-forward times; in interleaved 1F1B it starts at {could * v:.3g} - a rank "
+            f"idles whenever the next action on its list waits for an input while another it "
+            f"could run is ready.")
     return timeline
 
 
@@ -206,7 +207,7 @@ def check_interleaved(fn, cases=INTERLEAVED_CASES, run=(3, 6, 2)):
            f"and train exactly like one process on {p} real ranks with v={v}.")
 
 
-# ---- exercise 2: the bubble when the last stage is slow -------------------------------------------
+# ---- exercise 2: the bubble when the last stage is slow -----------------------------------
 
 def _one_f_one_b_slow_last(p, m):
     """The 1F1B lists, written here so the check never runs the learner's or the chapter's."""

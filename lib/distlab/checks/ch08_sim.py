@@ -14,7 +14,8 @@ rank, chunk c of rank r is virtual stage c * p + r, so a micro-batch visits rank
 from collections import namedtuple
 
 Step = namedtuple("Step", "kind mb chunk")
-RULE_ONCE = "each rank runs one forward and one backward of every micro-batch on every chunk it holds"
+RULE_ONCE = ("each rank runs one forward and one backward of every micro-batch on every chunk "
+             "it holds")
 RULE_BEFORE = "a backward needs the activations its own forward saved, so it comes after it"
 RULE_ORDER = ("send/recv carry no tags: the messages between two ranks are matched in the "
               "order they are sent, so a rank must receive them in that order")
@@ -75,8 +76,8 @@ def validate(schedule, m, v=1):
                 raise ScheduleError(f"rank {r} runs {describe(a, v)} twice (steps {seen[a]} and "
                                     f"{k}); {RULE_ONCE}.")
             if a.kind == "B" and Step("F", a.mb, a.chunk) not in seen:
-                raise ScheduleError(f"rank {r}, step {k}: {describe(a, v)} comes before its forward; "
-                                    f"{RULE_BEFORE}.")
+                raise ScheduleError(f"rank {r}, step {k}: {describe(a, v)} comes before its "
+                                    f"forward; {RULE_BEFORE}.")
             seen[a] = k
         for c in range(v):
             for i in range(m):
