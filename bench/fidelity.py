@@ -18,7 +18,7 @@ What the model still misses — today `fidelity (validation): 19 of 23`, `(calib
 - small-message latency is NCCL's own tuning model (src/graph/tuning.cc), 15 µs for 8 ranks,
   where a measured Hopper node does 12.5 µs (1.20×). The 64 KiB-64 MiB protocol switch is not
   modeled: there real busbw climbs more slowly than latency + bytes/B (see
-  tests/data/all_reduce_perf_8xh100.txt and cost.busbw_table: 0.45-0.8 of the model there);
+  tests/data/all_reduce_perf_8xh100.txt and nccl_tests.busbw_table: 0.45-0.8 of the model there);
 - end-to-end steps carry one fitted factor (hardware.SUSTAINED, from two calibration rows) for
   what kernels lose inside a training loop; no optimizer step, data loading or stragglers; TP
   communication never overlapped; 1F1B without interleaving; Megatron's micro-batch size is not

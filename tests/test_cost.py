@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 import distlab
-from distlab import cost
+from distlab import cost, nccl_tests
 from distlab.cost import Link, fit, predict, terms
 
 LINK = Link(alpha=10e-6, bandwidth=10e9)
@@ -181,7 +181,7 @@ LOG = open(__import__("os").path.join(__import__("os").path.dirname(__file__), "
 
 
 def test_the_nccl_tests_table_is_read_row_by_row():
-    log = cost.read_nccl_tests(LOG)
+    log = nccl_tests.read_nccl_tests(LOG)
     assert (log.world_size, log.nodes, log.collective) == (8, 1, "all_reduce")
     assert "H100" in log.gpu and len(log.rows) == 31
     first, last = log.rows[0], log.rows[-1]
@@ -199,7 +199,7 @@ def test_an_older_log_without_a_root_column_and_with_mpi_tags_is_read_too():
 [0]      1048576        262144   float     sum    80.10   13.09   13.09  0e+00    79.90   13.12   13.12  0e+00
 [0]     16777216       4194304   float     sum    740.2   22.67   22.67  0e+00    738.1   22.73   22.73  0e+00
 """
-    log = cost.read_nccl_tests(old)
+    log = nccl_tests.read_nccl_tests(old)
     assert (log.world_size, log.nodes) == (2, 2) and "A100" in log.gpu
     assert [r["size"] for r in log.rows] == [1048576, 16777216]
     assert log.rows[1]["time_in_place"] == pytest.approx(738.1e-6)
@@ -207,14 +207,14 @@ def test_an_older_log_without_a_root_column_and_with_mpi_tags_is_read_too():
 
 def test_a_log_becomes_a_cluster_to_emulate_with_and_a_table_against_the_platform():
     from distlab import emulate
-    cluster = cost.nccl_tests_cluster(LOG)
+    cluster = nccl_tests.nccl_tests_cluster(LOG)
     assert emulate.resolve(cluster, world_size=8) is cluster
     link = cluster.link_between(range(8))
     big = 8 << 30
     busbw = cost.bus_bandwidth("ring_all_reduce", big, 8, link.seconds("all_reduce", big, 8))
     assert 400e9 < busbw < 500e9
     assert 10e-6 < link.seconds("all_reduce", 8, 8) < 20e-6
-    table = cost.busbw_table(LOG)
+    table = nccl_tests.busbw_table(LOG)
     lines = table.splitlines()
     assert "your busbw" in lines[1] and "expected" in lines[1]
     last = lines[-1].split()
@@ -225,12 +225,12 @@ def test_a_log_becomes_a_cluster_to_emulate_with_and_a_table_against_the_platfor
 
 def test_a_log_that_is_not_nccl_tests_gets_a_sentence():
     with pytest.raises(ValueError, match="no nccl-tests table"):
-        cost.read_nccl_tests("hello\nworld\n")
+        nccl_tests.read_nccl_tests("hello\nworld\n")
     with pytest.raises(ValueError, match="world_size"):
-        cost.read_nccl_tests("           8             2     float     sum      -1    12.9    0.00"
+        nccl_tests.read_nccl_tests("           8             2     float     sum      -1    12.9    0.00"
                              "    0.00      0    13.1    0.00    0.00      0\n")
     with pytest.raises(ValueError, match="platform"):
-        cost.busbw_table("#  Rank  0 Group 0 Pid 1 on h device 0 [0x0] Some GPU\n"
+        nccl_tests.busbw_table("#  Rank  0 Group 0 Pid 1 on h device 0 [0x0] Some GPU\n"
                          "           8             2     float     sum      -1    12.9    0.00"
                          "    0.00      0    13.1    0.00    0.00      0\n")
 
