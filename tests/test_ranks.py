@@ -227,6 +227,15 @@ def test_a_pool_stopped_by_hand_is_replaced_cleanly(shell, capsys):
     assert capsys.readouterr().out.endswith("[rank 0] 0\n[rank 1] 1\n")
 
 
+def test_more_ranks_than_the_emulated_cluster_has_are_refused_before_anything_starts(shell):
+    assert cell(shell, "2", "kept = rank + 1") is None
+    pids = distlab.ranks.pool().pids
+    with pytest.raises(ValueError, match=r"has 8 GPUs .*world_size=9 needs more"):
+        shell.run_cell_magic("ranks", "9 --emulate a100-nvlink", "pass")
+    assert distlab.ranks.pool().pids == pids
+    assert shell.run_line_magic("ranks", "pull kept") == [1, 2]
+
+
 def test_a_bad_emulate_name_is_refused_before_the_running_ranks_are_touched(shell, capsys):
     assert cell(shell, "2", "kept = rank + 1") is None
     pids = distlab.ranks.pool().pids

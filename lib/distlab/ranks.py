@@ -99,7 +99,7 @@ class Pool(Launch):
         emulate: a preset name or a distlab.emulate.Cluster (see distlab.run)."""
         __tracebackhide__ = True
         from .emulate import resolve
-        cluster = resolve(emulate)
+        cluster = resolve(emulate, self.world_size)
         self.cells += 1
         sources = {filename: (len(source), None, source.splitlines(True), filename)}
         linecache.cache.update(sources)   # so that stack dumps quote the cell's lines here too
@@ -325,7 +325,7 @@ def ranks(line, cell=None):
     world_size, timeout = _check_arguments(print, args.world_size, args.timeout, None, True, None,
                                            None, False)[:2]
     from .emulate import resolve
-    cluster = resolve(args.emulate)
+    cluster = resolve(args.emulate, world_size)
     filename = "<ranks cell>"
     shell = _shell()
     if shell is not None:
