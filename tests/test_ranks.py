@@ -155,6 +155,25 @@ def test_emulated_cells_print_modeled_time_and_keep_a_trace(shell, capsys):
     assert trace.comm(0, "all_reduce")[0]["bytes"] == 4 << 20
 
 
+def test_a_traced_cell_keeps_its_trace_and_exports_it_for_perfetto(shell, capsys, tmp_path):
+    import json
+    assert cell(shell, "2", "x = torch.ones(8)") is None           # an untraced cell first
+    with pytest.raises(RuntimeError, match="no traced cell yet"):
+        shell.run_line_magic("ranks", "trace")
+    assert cell(shell, "2 --trace", "dist.all_reduce(x)\nif rank == 0:\n    dist.send(x, 1)\n"
+                "else:\n    dist.recv(x, 0)") is None
+    assert "emulated" not in capsys.readouterr().out                 # traced, not modeled
+    trace = shell.run_line_magic("ranks", "trace")
+    assert trace.counts() == {"all_reduce": 2, "send": 1, "recv": 1} and not trace.emulated
+    assert shell.run_line_magic("ranks", "pull x")[0].tolist() == [2.0] * 8   # state kept
+    doc = json.loads(open(trace.save(tmp_path / "cell.json")).read())
+    flows = [e for e in doc["traceEvents"] if e.get("ph") in ("s", "f")]
+    assert sorted(e["ph"] for e in flows) == ["f", "s"]              # the send's arrow
+    cell(shell, "2", "pass")                                          # untraced again: no trace
+    with pytest.raises(RuntimeError, match="no traced cell yet"):
+        shell.run_line_magic("ranks", "trace")
+
+
 def test_bad_arguments_are_refused_with_a_sentence(shell):
     with pytest.raises(ValueError, match="needs the number of ranks"):
         shell.run_cell_magic("ranks", "four", "pass")
@@ -162,7 +181,7 @@ def test_bad_arguments_are_refused_with_a_sentence(shell):
         shell.run_cell_magic("ranks", "0", "pass")
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         shell.run_cell_magic("ranks", "2 --timeout -1", "pass")
-    with pytest.raises(ValueError, match="takes `stop` or `pull NAME`"):
+    with pytest.raises(ValueError, match="takes `stop`, `pull NAME` or `trace`"):
         shell.run_line_magic("ranks", "push x")
 
 

@@ -84,10 +84,10 @@ def serve(rank, world_size, spec):
             continue   # an interrupt that arrived just after the cell finished: nothing to stop
 
 
-def _run_cell(namespace, source, filename, sources, cluster, cell):
+def _run_cell(namespace, source, filename, sources, cluster, cell, traced):
     linecache.cache.update(sources)
     recorder = None
-    if cluster is not None:   # this cell on the emulated accelerator: a clock of its own
+    if traced:   # recorded; under emulation on a clock of its own
         import torch.distributed as dist
         store = dist.PrefixStore(f"cell{cell}/", dist.distributed_c10d._get_default_store())
         recorder = _worker._recorder(dict(trace=True, emulate=cluster,

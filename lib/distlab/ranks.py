@@ -73,7 +73,7 @@ class Pool(Launch):
                          threads, env)
         self.broken = None
         self.cells = 0
-        self.trace = None            # the last emulated cell's distlab.trace.Trace
+        self.trace = None            # the last traced or emulated cell's distlab.trace.Trace
         self._interrupting = False
         self._stopped = False
         self._folder = tempfile.TemporaryDirectory(prefix="distlab-ranks-")
@@ -94,20 +94,26 @@ class Pool(Launch):
         return [r.pid for r in self.ranks if r.pid is not None]
 
     # ---- the cells --------------------------------------------------------------------------
-    def run_cell(self, source, timeout=DEFAULT_TIMEOUT, filename="<ranks cell>", emulate=None):
+    def run_cell(self, source, timeout=DEFAULT_TIMEOUT, filename="<ranks cell>", emulate=None,
+                 trace=False):
         """Run `source` on every rank; print their output in rank order; raise on a failure.
-        emulate: a preset name or a distlab.emulate.Cluster (see distlab.run)."""
+        emulate: a preset name or a distlab.emulate.Cluster (see distlab.run); trace: record what
+        the ranks communicated and computed in this cell. Either leaves the cell's Trace in
+        `self.trace` (`%ranks trace`; `.save(path)` opens in Perfetto)."""
         __tracebackhide__ = True
         from .emulate import resolve
         cluster = resolve(emulate, self.world_size)
         self.cells += 1
         sources = {filename: (len(source), None, source.splitlines(True), filename)}
         linecache.cache.update(sources)   # so that stack dumps quote the cell's lines here too
-        self._send(("cell", source, filename, sources, cluster, self.cells), timeout)
-        if cluster is not None:
-            from .emulate import announce
+        traced = trace or cluster is not None
+        self.trace = None
+        self._send(("cell", source, filename, sources, cluster, self.cells, traced), timeout)
+        if traced:
             from .trace import Trace
-            announce(cluster)
+            if cluster is not None:
+                from .emulate import announce
+                announce(cluster)
             self.trace = Trace([r.trace for r in self.ranks], cluster)
 
     def pull(self, name, timeout=DEFAULT_TIMEOUT):
@@ -293,19 +299,22 @@ def _cell_arguments(line):
     parser.add_argument("world_size", type=int)
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
     parser.add_argument("--emulate", default=None)
+    parser.add_argument("--trace", action="store_true")
     try:
         args, extra = parser.parse_known_args(shlex.split(line))
     except (argparse.ArgumentError, SystemExit, ValueError):
         args, extra = None, True
     if args is None or extra:
         raise ValueError(f"%%ranks needs the number of ranks, like `%%ranks 4` (options: "
-                         f"--timeout SECONDS, --emulate PRESET); got {line!r}.")
+                         f"--timeout SECONDS, --emulate PRESET, --trace); got {line!r}.")
     return args
 
 
 def ranks(line, cell=None):
-    """%%ranks N [--timeout S] [--emulate PRESET]: run the cell on N ranks that keep their state.
-    %ranks pull NAME: NAME from every rank, as a list in rank order. %ranks stop: stop the ranks."""
+    """%%ranks N [--timeout S] [--emulate PRESET] [--trace]: run the cell on N ranks that keep their
+    state (--trace records it, as distlab.run(trace=True) does). %ranks pull NAME: NAME from every
+    rank, as a list in rank order. %ranks trace: the last traced or emulated cell's Trace (its
+    .save(path) writes a file Perfetto opens). %ranks stop: stop the ranks."""
     __tracebackhide__ = True
     if cell is None:
         words = line.split()
@@ -314,12 +323,18 @@ def ranks(line, cell=None):
             _stop_pool()
             print("ranks stopped" if was else "no ranks were running")
             return None
+        if words == ["trace"]:
+            trace = getattr(_pool, "trace", None) if _pool is not None else None
+            if trace is None:
+                raise RuntimeError("no traced cell yet: run a cell with `%%ranks N --trace` (or "
+                                   "--emulate PRESET), then `%ranks trace`.")
+            return trace
         if words[:1] == ["pull"] and len(words) == 2:
             if _pool is None or _pool.broken:
                 raise RuntimeError("no ranks are running: run a %%ranks cell first.")
             return _pool.pull(words[1])
-        raise ValueError(f"%ranks takes `stop` or `pull NAME`; got {line!r}. To run code on "
-                         f"ranks, start a cell with %%ranks 4.")
+        raise ValueError(f"%ranks takes `stop`, `pull NAME` or `trace`; got {line!r}. To run "
+                         f"code on ranks, start a cell with %%ranks 4.")
     args = _cell_arguments(line)
     # Refuse bad values before the running ranks are touched (another size would restart them).
     world_size, timeout = _check_arguments(print, args.world_size, args.timeout, None, True, None,
@@ -330,7 +345,7 @@ def ranks(line, cell=None):
     shell = _shell()
     if shell is not None:
         filename = shell.compile.cache(cell, shell.execution_count)
-    _get_pool(world_size).run_cell(cell, timeout, filename, cluster)
+    _get_pool(world_size).run_cell(cell, timeout, filename, cluster, args.trace)
 
 
 def _shell():
