@@ -83,6 +83,7 @@ def keys_after_init(rank, world_size):
     dist.init_process_group("gloo", init_method="env://")
     dist.barrier()
     keys = rendezvous.store_keys()
+    dist.barrier()      # rank 0 serves the store: nobody may still be reading it when it leaves
     dist.destroy_process_group()
     return keys
 
