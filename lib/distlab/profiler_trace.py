@@ -39,6 +39,7 @@ from pathlib import Path
 
 from ._tracer import _COLLECTIVES
 from .chrome_trace import US
+from .trace import _merged
 
 NCCL_KERNEL = re.compile(r"^nccl.*Kernel")                       # HTA: is_comm_kernel
 NOT_COMPUTE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")   # HTA: is_compute
@@ -250,7 +251,7 @@ def _cpu(doc, xs, group, sec):
     for tid, ops in sorted(ops_by_thread.items()):
         ranges = [e for e in xs if e["tid"] == tid and e.get("cat") == "user_annotation"
                   and not _is_comm(e["name"]) and not e["name"].startswith("ProfilerStep")]
-        for a, b in _subtract(_merge(ops), _merge(comm_by_thread[tid])):
+        for a, b in _subtract(_merged(ops), _merged(comm_by_thread[tid])):
             for piece in _cut(a, b, ranges):
                 spans.append(dict(kind="compute", name=_name_at(piece, ranges),
                                   start=sec(piece[0]), end=sec(piece[1]), flops=None))
@@ -378,16 +379,6 @@ def _gloo_event(transfer, launch, group, sec):
 
 
 # ---- intervals ------------------------------------------------------------------------------------
-
-def _merge(intervals):
-    out = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
-
 
 def _subtract(xs, ys):
     """Merged intervals xs minus merged intervals ys."""
