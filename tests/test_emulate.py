@@ -150,6 +150,22 @@ def test_attention_on_meta_tensors_takes_the_kernel_real_tensors_take():
     assert _timeline(meta.trace, 0) == _timeline(real.trace, 0) and meta[0] == real[0]
 
 
+def _attention_flops(rank, world_size, causal):
+    q, k, v = (torch.randn(2, 4, 64, 16, requires_grad=True) for _ in range(3))
+    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+
+
+def test_fused_attention_is_charged_its_flops_and_causal_half_of_them():
+    """The CPU's flash kernel is not in torch's flop counter: charged as the GPU's flash kernel
+    (4·b·h·s²·d forward, 2.5× that backward), half of it when causal (masked blocks skipped)."""
+    full, causal = (sum(s["flops"] for s in distlab.run(
+        _attention_flops, 1, masked, emulate=A100, timeout=30).trace.compute(0))
+        for masked in (False, True))
+    forward = 4 * 2 * 4 * 64 * 64 * 16
+    assert full >= forward * 3.5                    # forward + backward's 2.5×, plus the sum
+    assert causal == pytest.approx(full - (forward * 3.5) / 2, rel=1e-9)
+
+
 def _bucketed_ddp(rank, world_size, device):
     import torch.nn.functional as F
     from distlab.data_parallel import BucketedDDP

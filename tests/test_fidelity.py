@@ -28,10 +28,10 @@ def test_calibration_rows_reproduce_what_they_set():
 
 def test_validation_rows_stay_in_their_band():
     k, m = fidelity.summary(RESULTS)["validation"]
-    assert m >= 20 and k >= 19           # today: 19 of 23 (the misses are in the docstring)
+    assert m >= 20 and k >= 0.9 * m      # today: 24 of 25 (the miss is in the docstring)
 
 
-@pytest.mark.parametrize("kind", ["busbw", "train"])
+@pytest.mark.parametrize("kind", ["busbw", "train", "gemm"])
 def test_bus_bandwidth_and_training_throughput_validate_row_by_row(kind):
     for row, predicted, ratio, within in RESULTS:
         if row["kind"] == kind and row["use"] == "validation":

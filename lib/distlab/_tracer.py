@@ -293,18 +293,13 @@ class Recorder:
 
     # -- compute -----------------------------------------------------------------------------
     def charge(self, func, args, kwargs, out):
-        formula = flop_registry.get(func._overloadpacket)
-        flops = 0
-        if formula is not None:
-            try:
-                flops = formula(*args, **kwargs, out_val=out)
-            except Exception:
-                flops = 0
+        flops = _flops(func, args, kwargs, out)
         nbytes = _nbytes(args) + _nbytes(out)
         if not flops and not nbytes:
             return
         start = self.clock.now
-        self.clock.compute(flops, nbytes, _first_dtype(args))
+        self.clock.compute(flops, nbytes, _first_dtype(args),
+                           _matmul_shape(func, args) if flops else None)
         name = self._label[-1] if self._label else "compute"
         if self._open is not None and self._open["name"] == name and self._open["end"] == start:
             self._open["end"] = self.clock.now
@@ -486,6 +481,59 @@ class Recorder:
 
 def _public(event):
     return {k: v for k, v in event.items() if not k.startswith("_")}
+
+
+_aten = torch.ops.aten
+# The CPU's fused attention kernels, which torch's flop counter does not list, counted as the
+# GPU's flash kernels are (the same arguments first); `is_causal` at this position. A causal
+# flash kernel skips the blocks above the diagonal: half the score FLOPs (Dao, FlashAttention-2).
+_ATTENTION = {
+    _aten._scaled_dot_product_flash_attention_for_cpu:
+        (_aten._scaled_dot_product_flash_attention, 4),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        (_aten._scaled_dot_product_flash_attention_backward, 7),
+}
+
+
+def _flops(func, args, kwargs, out):
+    """FLOPs of one aten op as torch.utils.flop_counter counts them (0 for what it does not)."""
+    packet = func._overloadpacket
+    causal = False
+    if packet in _ATTENTION:
+        packet, where = _ATTENTION[packet]
+        causal = len(args) > where and args[where] is True
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0
+    try:
+        flops = formula(*args, **kwargs, out_val=out)
+    except Exception:
+        return 0
+    return flops // 2 if causal else flops
+
+
+# where each matmul's operands sit in its arguments (the device's GEMM curve needs m, n, k)
+_MATMULS = {_aten.mm: 0, _aten.addmm: 1, _aten.bmm: 0, _aten.baddbmm: 1}
+
+
+def _matmul_shape(func, args):
+    """(m, n, k, batch) of a matmul op, None for any other op."""
+    packet = func._overloadpacket
+    if packet in _ATTENTION:       # the scores' GEMM: (t_q × head) · (head × t_k), per head
+        at = 0 if packet is _aten._scaled_dot_product_flash_attention_for_cpu else 1  # grad first
+        q, k = args[at], args[at + 1]
+        return q.shape[-2], k.shape[-2], q.shape[-1], q.numel() // (q.shape[-2] * q.shape[-1])
+    first = _MATMULS.get(packet)
+    if first is None or len(args) < first + 2:
+        return None
+    a, b = args[first], args[first + 1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != b.dim():
+        return None
+    if a.dim() == 2:
+        return a.shape[0], b.shape[1], a.shape[1], 1
+    if a.dim() == 3:
+        return a.shape[1], b.shape[2], a.shape[2], a.shape[0]
+    return None
 
 
 def _first_dtype(args):

@@ -1,16 +1,24 @@
 """The emulated accelerator: time that behaves like devices and links, on a laptop.
 
 N ranks on 2 cores share the CPU, and loopback gloo is not a link, so wall-clock time on a laptop
-says little about a cluster. Under `distlab.run(..., emulate="a100-nvlink")` every rank keeps a
+says little about a cluster. Under `distlab.run(..., emulate="h100-node")` every rank keeps a
 VIRTUAL clock instead, advanced only by what a real accelerator would spend time on:
 
-- compute: every tensor operation costs  max(FLOPs / peak FLOP/s, bytes touched / memory bandwidth)
-  on the rank's modeled device (FLOPs as torch.utils.flop_counter counts them: matmuls,
-  convolutions, attention);
-- communication: each collective or message occupies the rank's link and completes at
-  α + bytes/bandwidth per step of its algorithm (the α-β model of `distlab.cost`), starting when
-  every participant has launched it and its link is free. Async handles complete at that modeled
-  time: `wait()` moves the caller's clock forward only if the transfer is not done yet.
+- compute: every tensor operation costs what the modeled device achieves (distlab.hardware):
+  max(an eager op's launch floor, FLOPs / (peak · the GEMM's achieved efficiency), bytes touched
+  / achieved memory bandwidth) — FLOPs as torch.utils.flop_counter counts them (matmuls,
+  convolutions; attention as a flash kernel, half of it when causal), a matmul's efficiency from
+  its m, n, k;
+- communication: each collective or message occupies the rank's link and completes at NCCL's
+  latency plus bus bytes / achieved bus bandwidth (one ring per NIC across nodes), starting when
+  every participant has launched it and its link is free. Async handles complete at that
+  modeled time: `wait()` moves the caller's clock forward only if the transfer is not done yet.
+
+Every preset is calibrated; `<preset>-datasheet` is the same cluster at datasheet peaks and
+line rates. What the calibration rests on, and how close it lands to published measurements,
+is in distlab.hardware and bench/fidelity.py. What an emulated time validates: that the code's
+critical path (what waits for what, in which order) is what a real run would have; the rates
+are the model's, not a measurement.
 
 Real tensors still flow through gloo, so results are exact and identical to a plain run;
 only time is modeled. The clocks are deterministic: an emulated timeline is the same on every
@@ -43,48 +51,21 @@ this one-link model the message cannot leave before the all_reduce is done (NCCL
 """
 import json
 
-import torch
 
 from . import hardware
-from .cost import TERMS, Link
+from .cost import TERMS, Link          # noqa: F401  (Link: the α-β link a Cluster may carry)
 from .hardware import Cluster, Device   # noqa: F401  (distlab.emulate.Cluster / Device stay public)
 
 
-# The legacy presets: datasheet peaks (dense, no sparsity) and nominal per-direction link rates
-# on the α-β model, as the course shipped them. The calibrated clusters (achieved rates, launch
-# floor, NCCL's latency model, one ring per NIC) are in distlab.hardware and listed here too
-# (CALIBRATED); `hardware.DATASHEET` holds those clusters at their datasheet rates.
-_F32, _BF16, _F16, _F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
-A100 = Device("NVIDIA A100 SXM 80GB", {_F32: 19.5e12, _BF16: 312e12, _F16: 312e12, _F64: 9.7e12},
-              2.0e12)
-H100 = Device("NVIDIA H100 SXM", {_F32: 67e12, _BF16: 989e12, _F16: 989e12, _F64: 34e12}, 3.35e12)
-NVLINK3 = Link(3e-6, 300e9, "NVLink 3 (A100 SXM)")
-NVLINK4 = Link(3e-6, 450e9, "NVLink 4 (H100 SXM)")
-IB_NDR = Link(10e-6, 50e9, "InfiniBand NDR 400 Gb/s")
-ETH_100G = Link(20e-6, 12.5e9, "100 Gb Ethernet")
-
-PRESETS = {
-    "a100-nvlink": Cluster(
-        "A100 node", A100, NVLINK3, None, 8,
-        "NVIDIA A100 datasheet: 19.5 TFLOP/s FP32, 312 TFLOP/s BF16, 2.0 TB/s HBM2e; "
-        "NVLink 3: 600 GB/s per GPU both directions together (300 GB/s each way).", nodes=1),
-    "h100-nvlink": Cluster(
-        "H100 node", H100, NVLINK4, None, 8,
-        "NVIDIA H100 SXM datasheet: 67 TFLOP/s FP32, 989 TFLOP/s BF16 dense, 3.35 TB/s HBM3; "
-        "NVLink 4: 900 GB/s per GPU both directions together (450 GB/s each way).", nodes=1),
-    "h100-ib": Cluster(
-        "H100s, one per node, over InfiniBand", H100, NVLINK4, IB_NDR, 1,
-        "as h100-nvlink, with every rank on its own node: one 400 Gb/s NDR port (50 GB/s) per GPU."),
-    "h100-2nodes": Cluster(
-        "two H100 nodes", H100, NVLINK4, IB_NDR, 4,
-        "as h100-nvlink inside a node; nodes of 4 ranks joined by 400 Gb/s InfiniBand NDR.",
-        nodes=2),
-    "a100-ethernet": Cluster(
-        "A100s, one per node, over 100 Gb Ethernet", A100, NVLINK3, ETH_100G, 1,
-        "as a100-nvlink, with every rank on its own node behind one 100 Gb/s Ethernet port."),
-}
-CALIBRATED = dict(hardware.PRESETS)
-PRESETS.update(CALIBRATED)
+# Every preset is calibrated (distlab.hardware: achieved GEMM and HBM rates, an eager op's launch
+# floor, NCCL's latency model, one ring per NIC across nodes). The course's first names
+# ('a100-nvlink', 'h100-nvlink', 'h100-ib', 'h100-2nodes', 'a100-ethernet') keep their node
+# shapes; `<name>-datasheet` is the same cluster at datasheet rates (no launch floor, GEMMs at
+# peak, line-rate links), to show the gap between peak and achieved.
+CALIBRATED = {**hardware.CALIBRATED_LEGACY, **hardware.PRESETS}
+PRESETS = dict(CALIBRATED)
+PRESETS.update({f"{name}-datasheet": cluster.ideal()
+                for name, cluster in hardware.CALIBRATED_LEGACY.items()})
 PRESETS.update(hardware.DATASHEET)
 
 
@@ -150,8 +131,8 @@ class Clock:
         self._start = {}              # key -> agreed start
         self._free = {}               # (key, rank) -> when that rank's link is free after it
 
-    def compute(self, flops, nbytes, dtype):
-        self.now += self.cluster.device.seconds(flops, nbytes, dtype)
+    def compute(self, flops, nbytes, dtype, mnk=None):
+        self.now += self.cluster.device.seconds(flops, nbytes, dtype, mnk)
 
     def _next(self, key):
         n = self._seq.get(key, 0)

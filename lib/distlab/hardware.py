@@ -9,17 +9,21 @@ says so. `bench/fidelity.py` holds the model against published measurements.
 
 Device — one op costs
 
-    max(launch floor, FLOPs / (peak · gemm_efficiency(d)), bytes / achieved HBM bandwidth)
+    max(launch floor, FLOPs / (peak · gemm_efficiency(m, n, k)), bytes / achieved HBM bandwidth)
 
   The launch floor is what an eager PyTorch op costs however small: the host dispatches ops
   ahead of the GPU, so a stream of small ops runs at the dispatch rate and a big op at its
   kernel's rate (`mode="graphs"`: CUDA graphs / torch.compile, a smaller floor).
-  gemm_efficiency(d) = best · d / (d + d_half): `best` is the maximum achievable matmul
-  fraction of peak (large, aligned shapes), d the GEMM's size, d_half the size at which a GEMM
-  reaches half of that (small matmuls cannot fill the machine). For an m×n×k GEMM d is the
-  harmonic-mean dimension 3 / (1/m + 1/n + 1/k) — dominated by the smallest dimension, and the
-  one the emulator can recover from an op's FLOPs and bytes alone (d = 3·itemsize·FLOPs /
-  (2·bytes)), so a traced op and `gemm_efficiency(m, n, k)` agree.
+  gemm_efficiency(m, n, k) = best · P / (P + P_half) · k / (k + k_half), P = m·n output
+  elements (batch·m·n for a batched matmul): a GEMM runs as tiles of its output, one per SM at a
+  time, so a small output leaves SMs idle (P_half: the output size at which half of them work),
+  and each tile pays a fixed prologue and epilogue beside its k-long loop of multiply-adds
+  (k_half: the depth at which that fixed part is half the tile's time). `best` is the asymptote
+  for a large, deep GEMM. Two shapes with the same FLOPs differ: 1024×1024×2048 reaches
+  350 TFLOP/s on an H100, 2048×1024×2048 (twice the output tiles) 523 (OpenXLA's measured
+  table). The emulator reads m, n, k from a matmul's arguments (`seconds(..., mnk=)`); an op
+  with FLOPs but no matmul shape (attention, convolution) is charged as the square GEMM of the
+  same FLOPs and bytes (d = 3·itemsize·FLOPs / (2·bytes); m = n = k = d).
 
 Link — a collective of S bytes on N ranks costs
 
@@ -40,7 +44,7 @@ many nodes exist. `PRESETS` holds calibrated clusters; `DATASHEET` the same hard
 datasheet rates (no launch floor, GEMMs at peak, line-rate links), to show the gap.
 """
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -66,15 +70,17 @@ def _positive(owner, name, value, allow_zero=False, allow_none=False):
 class Device:
     """An accelerator. `flops`: datasheet dense peak FLOP/s per dtype; `memory_bandwidth`: the
     HBM bandwidth the model charges (achieved, for calibrated devices); `gemm_best`: the best
-    achieved fraction of peak for large matmuls; `gemm_half`: the GEMM size (harmonic-mean
-    dimension) at which a matmul reaches half of that; `launch_floor`: seconds an eager op costs
+    achieved fraction of peak (the asymptote of large, deep matmuls); `tile_half`: the output
+    size m·n at which a matmul reaches half of that; `k_half`: the inner dimension at which it
+    does; `launch_floor`: seconds an eager op costs
     however small; `graph_floor`: the same under CUDA graphs / torch.compile; `mode`: "eager"
     or "graphs"; `datasheet_memory_bandwidth`: the HBM bandwidth on the datasheet."""
     name: str
     flops: dict
     memory_bandwidth: float
     gemm_best: float = 1.0
-    gemm_half: float = 0.0
+    tile_half: float = 0.0
+    k_half: float = 0.0
     launch_floor: float = 0.0
     graph_floor: float = 0.0
     mode: str = "eager"
@@ -94,7 +100,8 @@ class Device:
         if self.gemm_best > 1:
             raise ValueError(f"{owner}: gemm_best is a fraction of peak, at most 1; "
                              f"got {self.gemm_best!r}.")
-        _positive(owner, "gemm_half", self.gemm_half, allow_zero=True)
+        _positive(owner, "tile_half", self.tile_half, allow_zero=True)
+        _positive(owner, "k_half", self.k_half, allow_zero=True)
         _positive(owner, "launch_floor", self.launch_floor, allow_zero=True)
         _positive(owner, "graph_floor", self.graph_floor, allow_zero=True)
         _positive(owner, "datasheet_memory_bandwidth", self.datasheet_memory_bandwidth,
@@ -113,34 +120,43 @@ class Device:
         """Seconds one op costs at least, in the device's mode."""
         return self.launch_floor if self.mode == "eager" else self.graph_floor
 
-    def gemm_efficiency(self, m, n, k, dtype=_BF16):
-        """Achieved fraction of peak of an m×n×k matmul (the curve in the module docstring)."""
-        for name, v in (("m", m), ("n", n), ("k", k)):
+    def gemm_efficiency(self, m, n, k, dtype=_BF16, batch=1):
+        """Achieved fraction of peak of a (batch ×) m×n×k matmul (the curve in the module
+        docstring)."""
+        for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
             _positive("gemm_efficiency", name, v)
-        return self._efficiency(3.0 / (1.0 / m + 1.0 / n + 1.0 / k))
+        tiles = batch * m * n
+        fill = tiles / (tiles + self.tile_half) if self.tile_half else 1.0
+        depth = k / (k + self.k_half) if self.k_half else 1.0
+        return self.gemm_best * fill * depth
 
-    def _efficiency(self, d):
-        return self.gemm_best * (d / (d + self.gemm_half) if self.gemm_half else 1.0)
-
-    def gemm_seconds(self, m, n, k, dtype=_BF16):
-        """Modeled seconds of an m×n×k matmul in `dtype`, floor and memory traffic included."""
+    def gemm_seconds(self, m, n, k, dtype=_BF16, batch=1):
+        """Modeled seconds of a (batch ×) m×n×k matmul in `dtype`, floor and memory traffic
+        included."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.seconds(2.0 * m * n * k, itemsize * (m * k + k * n + m * n), dtype)
+        return self.seconds(2.0 * batch * m * n * k,
+                            itemsize * batch * (m * k + k * n + m * n), dtype, (m, n, k, batch))
 
-    def seconds(self, flops, nbytes, dtype):
+    def seconds(self, flops, nbytes, dtype, mnk=None):
         """Modeled time of one operation: its kernel (arithmetic or memory traffic, whichever
-        bounds it) or the launch floor, whichever is longer."""
+        bounds it) or the launch floor, whichever is longer. `mnk`: (m, n, k) or (m, n, k,
+        batch) of a matmul; without it an op with FLOPs is charged as a square GEMM."""
         compute = 0.0
         if flops:
-            itemsize = torch.empty((), dtype=dtype).element_size() if dtype is not None else 4
-            d = 3.0 * itemsize * flops / (2.0 * nbytes) if nbytes else math.inf
-            compute = flops / (self.peak(dtype) * (self._efficiency(d) if d != math.inf
-                                                   else self.gemm_best))
+            if mnk is None:
+                itemsize = torch.empty((), dtype=dtype).element_size() if dtype is not None else 4
+                d = 3.0 * itemsize * flops / (2.0 * nbytes) if nbytes else math.inf
+                eff = (self.gemm_best if d == math.inf or d <= 0
+                       else self.gemm_efficiency(d, d, d, dtype))
+            else:
+                eff = self.gemm_efficiency(*mnk[:3], dtype, *mnk[3:])
+            compute = flops / (self.peak(dtype) * eff)
         return max(self.floor, compute, nbytes / self.memory_bandwidth)
 
     def ideal(self):
         """The same device at its datasheet: GEMMs at peak, datasheet HBM, no launch floor."""
-        return replace(self, name=f"{self.name} (datasheet)", gemm_best=1.0, gemm_half=0.0,
+        return replace(self, name=f"{self.name} (datasheet)", gemm_best=1.0, tile_half=0.0,
+                       k_half=0.0,
                        launch_floor=0.0, graph_floor=0.0,
                        memory_bandwidth=self.datasheet_memory_bandwidth or self.memory_bandwidth)
 
@@ -159,15 +175,18 @@ class Device:
 _A100_PEAK = {_F32: 19.5e12, _BF16: 312e12, _F16: 312e12, _F64: 9.7e12}
 _H100_PEAK = {_F32: 67e12, _BF16: 989e12, _F16: 989e12, _F64: 34e12}
 
-# Best achieved GEMM fraction: "Maximum Achievable Matmul FLOPS" (MAMF, bf16, v2 table) in
-# stas00/ml-engineering compute/accelerator/README.md: A100 SXM 271.2 of 312 TFLOP/s (86.9 %),
-# H100 SXM 794.5 of 989 (80.3 %), GH200 (141 GB HBM3e, the H200's memory) 828.6 of 989 (83.6 %).
-# The same fraction is used for float32 and float64 (an estimate: the table measures bf16).
-# gemm_half: fitted to OpenXLA's measured sm_90 (H100) bf16 matmul table
-# (tensorflow/tensorflow third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h:
-# 2048³ 632 TFLOP/s, 1024×2048×2048 524, 4096³ 783): d_half ≈ 512. For A100 no such table was
-# found: 256 is an ESTIMATE (a slower SM fills with fewer tiles), checked only against the MAMF
-# best shape (bench/fidelity.py). H200: the same GH100 die and SM count as H100 (estimate).
+# The GEMM curve (best, tile_half, k_half): FITTED to three rows of OpenXLA's measured sm_90
+# (H100 SXM) bf16 matmul table (tensorflow/tensorflow third_party/xla/xla/service/gpu/model/
+# matmul_interpolator_data.h: 2048³ 632 TFLOP/s, 1024×2048×2048 524, 4096×4096×256 392), marked
+# `calibration` in bench/published.csv: best 0.91, tile_half 1.05e6 output elements (≈ 32 output
+# tiles of 128×256 — a quarter of the 132 SMs), k_half 296. The table's other shapes and the
+# "Maximum Achievable Matmul FLOPS" (MAMF, bf16, v2) table in stas00/ml-engineering compute/
+# accelerator/README.md (A100 SXM 271.2 of 312 TFLOP/s, H100 SXM 794.5 of 989, GH200 828.6 of 989)
+# are validation rows. A100: no measured shape table was found; the same asymptote and k_half,
+# tile_half scaled by SM count (108 / 132) — an ESTIMATE, held against A100's MAMF row only.
+# H200: the same GH100 die, SM count and clocks as H100: the same curve (estimate). The same
+# fractions are used for float32 and float64 (an estimate: the tables measure bf16).
+_GEMM_BEST, _TILE_HALF, _K_HALF = 0.91, 1.05e6, 296
 # HBM achieved: A100 80 GB measured 1.80 TB/s = 88 % of 2.04 (NVIDIA developer forum, "Trouble
 # to reach peak bandwidth of A100", citing a GTC 2025 talk where no kernel exceeded ~90 %);
 # H100 and H200 at the same 90 % of their datasheet: an ESTIMATE.
@@ -178,18 +197,18 @@ _H100_PEAK = {_F32: 67e12, _BF16: 989e12, _F16: 989e12, _F64: 34e12}
 # (256×512×256: 11.5 TFLOP/s for 67 MFLOP), which includes a launch; 3 µs is an ESTIMATE.
 _EAGER_FLOOR, _GRAPH_FLOOR = 10 * _US, 3 * _US
 
-A100 = Device("NVIDIA A100 SXM 80GB", _A100_PEAK, 1.80e12, gemm_best=271.2 / 312,
-              gemm_half=256, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
+A100 = Device("NVIDIA A100 SXM 80GB", _A100_PEAK, 1.80e12, gemm_best=_GEMM_BEST,
+              tile_half=_TILE_HALF * 108 / 132, k_half=_K_HALF, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
               datasheet_memory_bandwidth=2.039e12, memory_bytes=80e9,
-              source="A100 datasheet; MAMF 86.9 % (ml-engineering); HBM 1.80 TB/s measured")
-H100 = Device("NVIDIA H100 SXM", _H100_PEAK, 0.90 * 3.35e12, gemm_best=794.5 / 989,
-              gemm_half=512, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
+              source="A100 datasheet; GEMM curve OpenXLA sm_90 (estimate); HBM 1.80 TB/s measured")
+H100 = Device("NVIDIA H100 SXM", _H100_PEAK, 0.90 * 3.35e12, gemm_best=_GEMM_BEST,
+              tile_half=_TILE_HALF, k_half=_K_HALF, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
               datasheet_memory_bandwidth=3.35e12, memory_bytes=80e9,
-              source="H100 datasheet; MAMF 80.3 % (ml-engineering); GEMM curve OpenXLA sm_90")
-H200 = Device("NVIDIA H200 SXM", _H100_PEAK, 0.90 * 4.8e12, gemm_best=828.6 / 989,
-              gemm_half=512, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
+              source="H100 datasheet; GEMM curve fitted to OpenXLA sm_90")
+H200 = Device("NVIDIA H200 SXM", _H100_PEAK, 0.90 * 4.8e12, gemm_best=_GEMM_BEST,
+              tile_half=_TILE_HALF, k_half=_K_HALF, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
               datasheet_memory_bandwidth=4.8e12, memory_bytes=141e9,
-              source="H200 datasheet; MAMF of GH200 141 GB, 83.6 % (ml-engineering)")
+              source="H200 datasheet; H100's GEMM curve (same die)")
 
 
 # ---- links ---------------------------------------------------------------------------------------
@@ -482,10 +501,10 @@ class Transformer:
 # Kernels in a training loop keep less than their isolated benchmark: sustained power and clocks,
 # NCCL kernels occupying SMs while communication overlaps, caches shared with other work. ONE
 # factor, FITTED to two end-to-end rows marked `calibration` in bench/published.csv (Megatron-LM
-# 1.7B and 145.6B, Narayanan et al. 2021 Table 1: geometric-mean ratio 1.00 at 0.87) and held
+# 1.7B and 145.6B, Narayanan et al. 2021 Table 1: geometric-mean ratio 1.00 at 0.96) and held
 # against the other published training runs there (validation rows: other sizes and layouts,
 # and torchtitan's FSDP runs, another code base).
-SUSTAINED = 0.87
+SUSTAINED = 0.96
 
 
 def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micro_batch=1,
@@ -520,14 +539,15 @@ def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micr
     item = torch.empty((), dtype=dtype).element_size()
 
     def gemm(mm, nn, kk):
-        return dev.seconds(2.0 * mm * nn * kk, item * (mm * kk + kk * nn + mm * nn), dtype)
+        return dev.seconds(2.0 * mm * nn * kk, item * (mm * kk + kk * nn + mm * nn), dtype,
+                           (mm, nn, kk))
 
     layer_fwd = sum(gemm(*g) for g in per_layer)
     # attention scores: causal flash attention computes half of the s×s blocks
     heads = model.heads // tp
     attn_flops = 4.0 * b * heads * s * s * (h // model.heads) * (0.5 if flash else 1.0)
     head_dim = h // model.heads
-    layer_fwd += attn_flops / (dev.peak(dtype) * dev._efficiency(3 / (2 / s + 1 / head_dim)))
+    layer_fwd += attn_flops / (dev.peak(dtype) * dev.gemm_efficiency(s, s, head_dim, dtype, b * heads))
     # elementwise work (norms, residuals, activation, dropout; softmax when not flash): each
     # of Korthikanti et al.'s 34·s·b·h stored bytes written once and read once
     per_token = 68 if fused else 140
@@ -569,8 +589,8 @@ def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micr
                 bubble=bubble, tp=tp_comm, pp=pp_comm, dp=dp_comm, micro_batches=m, dp_size=dp)
 
 
-# The course's first presets, by name, on the calibrated model (what distlab.emulate's names
-# 'a100-nvlink', 'h100-nvlink', 'h100-ib', 'h100-2nodes' and 'a100-ethernet' mean once switched):
+# The course's first presets, by name, on the calibrated model (distlab.emulate's names
+# 'a100-nvlink', 'h100-nvlink', 'h100-ib', 'h100-2nodes' and 'a100-ethernet'):
 # the same node shapes, achieved rates, NCCL's latencies, one NIC per GPU across nodes.
 CALIBRATED_LEGACY = {
     "a100-nvlink": _node("A100 node", A100, NVLINK3, "calibrated: see distlab.hardware"),
