@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch.distributed import all_reduce as imported_all_reduce   # imported before the check
 from torch.distributed import broadcast as imported_broadcast
 
+import distlab
 from distlab import collectives
 from distlab.checks import CheckFailed, ch03
 
@@ -451,3 +452,120 @@ def test_every_exercise_has_two_folded_hints_and_no_dictated_algorithm():
         assert sum(hints) == 2, f"{cells[i].source.splitlines()[0]}: {sum(hints)} folded hints"
         # the statement gives the task, not the algorithm: the indices live in the hints
         assert "(rank - step" not in cells[i].source and "mask" not in cells[i].source
+
+
+# ---- the chapter's headline numbers, re-computed (stale prose fails) -------------------------------
+
+def _chapter_text():
+    import pathlib
+    import nbformat
+    path = (pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+            / "03_collectives_from_scratch.ipynb")
+    cells = nbformat.read(path, as_version=4).cells
+    return " ".join(c.source for c in cells if c.cell_type == "markdown").replace("\n", " ")
+
+
+def _published(kind):
+    import csv
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "published.csv"
+    with open(path, newline="") as f:
+        return [r for r in csv.DictReader(f) if r["kind"] == kind]
+
+
+def test_ch03_latency_floor_and_bandwidth_numbers_are_the_models():
+    from distlab import cost, hardware
+    text = _chapter_text()
+    nvlink = hardware.PRESETS["h100-node"].intra
+    floor = nvlink.seconds("all_reduce", 8, 8)
+    ring = cost.predict("ring_all_reduce", 8, 8, nvlink.alpha_beta())
+    assert round(floor * 1e6) == 15 and "about 15 µs whatever their size" in text
+    assert round(ring * 1e6) == 70 == 14 * round(nvlink.alpha * 1e6)
+    assert "14 message latencies (70 µs)" in text and "a 5 µs message" in text
+    assert (nvlink.busbw("all_reduce"), nvlink.busbw("all_gather")) == (480e9, 370e9)
+    assert "all-reduce, 480 GB/s; 370 for a plain ring" in text
+    # 1 GB sits within 1 % of the lower bound 2(N-1)/N·S/B: "close to the lower bound"
+    big = nvlink.seconds("all_reduce", 1 << 30, 8)
+    assert big / cost.all_reduce_lower_bound(1 << 30, 8, nvlink.busbw()) < 1.01
+
+
+def test_ch03_published_rows_sit_where_the_prose_says():
+    from distlab import cost, hardware
+    text = _chapter_text()
+    worst = 0.0
+    for r in _published("busbw"):
+        if r["use"] != "validation":
+            continue
+        c = dict(item.split("=", 1) for item in r["config"].split())
+        ranks = ([int(x) for x in c["ranks"].split(";")] if ";" in c["ranks"]
+                 else list(range(int(c["ranks"]))))
+        link = hardware.PRESETS[c["preset"]].link_between(ranks)
+        t = link.seconds(c["op"], int(c["bytes"]), len(ranks))
+        model = cost.bus_bandwidth("ring_" + c["op"], int(c["bytes"]), len(ranks), t) / 1e9
+        worst = max(worst, abs(model / float(r["value"]) - 1))
+    assert 0.01 < worst < 0.02 and "land within 2 %" in text
+    (latency,) = [r for r in _published("latency") if r["use"] == "validation"]
+    model = hardware.PRESETS["h100-node"].intra.seconds("all_reduce", 8, 8) * 1e6
+    assert round(float(latency["value"]), 1) == 12.5 and round(model) == 15
+    assert round(100 * (model / float(latency["value"]) - 1), -1) == 20
+    assert "measured at 12.5 µs, is modeled 20 % high at 15 µs" in text
+    a100 = hardware.PRESETS["a100-node"]
+    ratio = (cost.bus_bandwidth("ring_all_reduce", 1 << 30, 8,
+                                a100.ideal().intra.seconds("all_reduce", 1 << 30, 8))
+             / cost.bus_bandwidth("ring_all_reduce", 1 << 30, 8,
+                                  a100.intra.seconds("all_reduce", 1 << 30, 8)))
+    assert round(100 * (ratio - 1), -1) == 30 and "promises 30 % more" in text
+    assert "(232.5 GB/s)" in text and "(365.8 GB/s, nccl-tests#309)" in text
+    assert {"232.5", "365.8"} <= {r["value"] for r in _published("busbw")}
+
+
+def test_ch03_across_nodes_and_hierarchical_numbers_are_the_models():
+    from distlab import hardware
+    text = _chapter_text()
+    cluster = hardware.PRESETS["h100-cluster"]
+    small = [cluster.link_between(range(n)).seconds("all_reduce", 8, n) for n in (8, 512)]
+    assert [round(t * 1e6) for t in small] == [15, 75]
+    assert "From one node to 64, a small all-reduce goes from 15 µs to 75 µs" in text
+    big = [cluster.link_between(range(n)).seconds("all_reduce", 1 << 30, n) for n in (16, 512)]
+    assert big[1] / big[0] < 1.1 and "barely moves from 2 to 64 nodes" in text
+    G, M, S = 8, 16, 1 << 30
+    inside = cluster.link_between(range(G))
+    between = cluster.link_between(range(0, M * G, G))
+    hierarchical = (inside.seconds("reduce_scatter", S, G) + inside.seconds("all_gather", S, G)
+                    + between.seconds("all_reduce", S / G, M))
+    one_nic = hardware.Cluster("one NIC per node", cluster.device, cluster.intra, cluster.inter,
+                               G, nics_per_node=1).link_between(range(M * G))
+    flat = cluster.link_between(range(M * G)).seconds("all_reduce", S, M * G)
+    assert round(one_nic.seconds("all_reduce", S, M * G) / hierarchical) == 4
+    assert "by about 4×" in text
+    assert flat < hierarchical and "NCCL does better still" in text
+
+
+def _emulated_ring(rank, world_size, sizes):
+    out = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        dist.barrier()
+        began = distlab.trace.now()
+        collectives.ring_all_reduce(x)
+        out.append(distlab.trace.now() - began)
+    return out
+
+
+def test_ch03_the_emulated_fit_finds_the_bandwidth_and_an_alpha_with_the_ops_in_it():
+    # Section 7: the same few tens of µs left over at every size are the ring's own ops (its
+    # receive buffer and N-1 additions) at the launch floor; the fit finds B, and a larger α.
+    from distlab import cost, emulate
+    sizes = [4 << 10, 1 << 20, 8 << 20]
+    cluster = emulate.PRESETS["a100-ethernet"]
+    link = cluster.inter.alpha_beta()
+    res = distlab.run(_emulated_ring, 4, sizes, emulate="a100-ethernet")
+    times = [max(r[i] for r in res) for i in range(len(sizes))]
+    left = [t - cost.predict("ring_all_reduce", s, 4, link) for s, t in zip(sizes, times)]
+    assert all(x == pytest.approx(4 * cluster.device.floor, rel=0.02) for x in left)
+    fitted = cost.fit([("ring_all_reduce", s, 4, t) for s, t in zip(sizes, times)])
+    assert fitted.bandwidth == pytest.approx(link.bandwidth, rel=0.03)
+    assert fitted.alpha > 1.4 * link.alpha
+    text = _chapter_text()
+    assert "the same few tens of µs are left over at every size" in text
+    assert "the N-1 = 3 additions of the reduce-scatter" in text

@@ -241,3 +241,44 @@ def test_fit_with_a_latency_floor_recovers_a_flat_latency():
             for s in (8, 1 << 20, 1 << 26, 1 << 30)]
     got = fit(data, latency="floor")
     assert got.alpha == pytest.approx(15e-6, rel=1e-6) and got.bandwidth == pytest.approx(400e9)
+
+
+# ---- pipelined rows, the lower bound, and what NCCL's broadcast is --------------------------------
+
+def test_pipelined_ring_broadcast_and_tree_all_reduce_terms():
+    assert terms("ring_broadcast", S, 8) == (7, S) == terms("ring_reduce", S, 8)
+    assert terms("tree_all_reduce", S, 8) == (6, 2 * S)
+    assert terms("tree_all_reduce", S, 9) == (8, 2 * S)
+    assert terms("ring_broadcast", S, 1) == (0, 0.0) == terms("tree_all_reduce", S, 1)
+    # the tree: fewer latencies than the ring at 64 ranks, within N/(N-1) of its bytes
+    ring, tree = terms("ring_all_reduce", S, 64), terms("tree_all_reduce", S, 64)
+    assert tree[0] == 12 < ring[0] == 126 and tree[1] / ring[1] == pytest.approx(64 / 63)
+    # a pipelined ring broadcast beats the binomial tree on bytes for large messages only
+    assert predict("ring_broadcast", S, 64, LINK) < predict("tree_broadcast", S, 64, LINK)
+    assert predict("ring_broadcast", 8, 64, LINK) > predict("tree_broadcast", 8, 64, LINK)
+
+
+def test_the_all_reduce_lower_bound_is_what_the_ring_meets():
+    from distlab.cost import all_reduce_lower_bound
+    for n in (2, 3, 8, 64):
+        bound = all_reduce_lower_bound(S, n, LINK.bandwidth)
+        assert bound == pytest.approx(terms("ring_all_reduce", S, n)[1] / LINK.bandwidth)
+        assert bound <= terms("tree_all_reduce", S, n)[1] / LINK.bandwidth
+    assert all_reduce_lower_bound(S, 1, 1e9) == 0.0
+    with pytest.raises(ValueError, match="bandwidth > 0"):
+        all_reduce_lower_bound(S, 4, 0)
+
+
+def test_broadcast_and_reduce_are_charged_as_nccl_runs_them_a_pipelined_ring():
+    from distlab import emulate, hardware
+    # α-β link: (N-1)·α + S/B, not ceil(log2 N)·(α + S/B)
+    assert emulate.comm_seconds("broadcast", S, 8, LINK) == pytest.approx(
+        7 * LINK.alpha + S / LINK.bandwidth)
+    assert emulate.comm_seconds("reduce", S, 8, LINK) == emulate.comm_seconds("broadcast", S, 8,
+                                                                              LINK)
+    # a calibrated link: busbw = algbw for broadcast, so 1 GB on 8 GPUs takes S / ring busbw
+    nvlink = hardware.PRESETS["h100-node"].intra
+    t = nvlink.seconds("broadcast", 1 << 30, 8)
+    assert t == pytest.approx(nvlink.latency + 7 * nvlink.hop + (1 << 30) / 370e9)
+    assert nvlink.seconds("broadcast", 1 << 30, 64) == pytest.approx(
+        t + 56 * nvlink.hop)          # adding ranks adds steps, not bytes

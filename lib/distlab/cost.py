@@ -9,13 +9,25 @@ the bytes on the critical path times β. So every formula here is a pair (messag
     ring all-reduce                    2(N-1)            2(N-1)/N · S
     ring reduce-scatter / all-gather   N-1               (N-1)/N · S      (S: the full tensor)
     binomial-tree broadcast            ceil(log2 N)      ceil(log2 N) · S
+    pipelined ring broadcast / reduce  N-1               S                (NCCL's broadcast)
+    pipelined (double binary) tree     2·ceil(log2 N)    2 · S            (NCCL's tree all-reduce)
+      all-reduce
     naive all-reduce (via one root)    2(N-1)            2(N-1) · S
     pairwise all-to-all                N-1               (N-1)/N · S      (S: what one rank sends)
     one send                           1                 S
 
-The ring's bytes tend to 2S as N grows: adding ranks barely slows it, which is why data
-parallelism scales. The naive root's bytes grow with N. The tree wins on latency (log N rounds)
-and loses on bandwidth (whole tensor each round), so it suits small messages.
+The ring's bytes tend to 2S as N grows: adding ranks barely slows its β term, which is why data
+parallelism scales; its α term, 2(N-1)·α, grows with every rank. No all-reduce can put fewer
+than 2(N-1)/N · S bytes through some rank's port (`all_reduce_lower_bound`): the ring's bytes
+are optimal. The naive root's bytes grow with N. The binomial tree wins on latency (log N
+rounds) and loses on bandwidth (whole tensor each round), so it suits small messages. Cutting
+the message into many pieces and streaming them (pipelining) keeps the few rounds and drops the
+repeated bytes: a pipelined ring broadcast costs (N-1)·α + S/B — what NCCL's broadcast and
+reduce run — and a pipelined (double binary) tree all-reduce 2·ceil(log2 N)·α + 2S/B, the
+latency of a tree at N/(N-1) times the ring's bandwidth term (each GPU sends and receives 2S
+on a tree, 2(N-1)/N·S on a ring: S. Jeaugey, NVIDIA/nccl#457; NCCL picks it across nodes for
+small and medium all_reduces).
+Both pipelined rows are the many-pieces limit: each extra piece adds one more α.
 
 `fit` finds α and β from measured times; distlab.nccl_tests reads an nccl-tests log (your
 cluster's `all_reduce_perf` output) into such measurements, a cluster to emulate with, and a
@@ -83,6 +95,9 @@ TERMS = {
     "ring_reduce_scatter": lambda s, n: (n - 1, (n - 1) / n * s),
     "ring_all_gather": lambda s, n: (n - 1, (n - 1) / n * s),
     "tree_broadcast": lambda s, n: (_tree_rounds(n), _tree_rounds(n) * s),
+    "ring_broadcast": lambda s, n: (n - 1, s if n > 1 else 0.0),
+    "ring_reduce": lambda s, n: (n - 1, s if n > 1 else 0.0),
+    "tree_all_reduce": lambda s, n: (2 * _tree_rounds(n), 2 * s if n > 1 else 0.0),
     "naive_all_reduce": lambda s, n: (2 * (n - 1), 2 * (n - 1) * s),
     "all_to_all": lambda s, n: (n - 1, (n - 1) / n * s),
     "send": lambda s, n: (1, s),
@@ -112,6 +127,19 @@ def predict(collective, nbytes, world_size, link):
 def ring_all_reduce_time(nbytes, world_size, link):
     """2(N-1)·α + 2(N-1)/N · S/B."""
     return predict("ring_all_reduce", nbytes, world_size, link)
+
+
+def all_reduce_lower_bound(nbytes, world_size, bandwidth):
+    """The fewest seconds any all-reduce of `nbytes` on `world_size` ranks can spend on bytes,
+    with one port of `bandwidth` bytes/s per rank: 2(N-1)/N · S/B.
+
+    Every element of the result combines N inputs: at least N-1 of them must travel to wherever
+    they are combined, and the sum must then reach the N-1 other ranks, so at least 2(N-1)·S bytes
+    cross the ranks' ports in all, and some port carries at least 1/N of them. The ring meets it."""
+    if world_size < 1 or nbytes < 0 or not bandwidth > 0:
+        raise ValueError(f"need world_size >= 1, nbytes >= 0 and bandwidth > 0; got "
+                         f"{world_size}, {nbytes} and {bandwidth}.")
+    return 2 * (world_size - 1) / world_size * nbytes / bandwidth
 
 
 def bus_bandwidth(collective, nbytes, world_size, seconds):

@@ -89,11 +89,14 @@ def resolve(emulate, world_size=None):
 
 # ---- the cost of one communication on the modeled link --------------------------------------------
 
-# Which α-β term of distlab.cost models each collective on an α-β link (the algorithms NCCL uses
-# for large messages: rings, and a binomial tree for one-to-all / all-to-one).
+# Which α-β term of distlab.cost models each collective on an α-β link: the algorithms NCCL runs
+# for large messages, rings. Its broadcast and reduce are pipelined rings too (the message cut
+# into chunks streamed down a chain of ranks: (N-1)·α + S/B); its trees serve all_reduce only
+# ("NCCL implements broadcast based on the ring algorithm", NVIDIA/nccl#358; tuning.cc skips the
+# tree for every collective but all_reduce, NVIDIA/nccl#317).
 _MODEL = {"all_reduce": "ring_all_reduce", "all_gather": "ring_all_gather",
-          "reduce_scatter": "ring_reduce_scatter", "broadcast": "tree_broadcast",
-          "reduce": "tree_broadcast", "all_to_all": "all_to_all", "gather": "ring_all_gather",
+          "reduce_scatter": "ring_reduce_scatter", "broadcast": "ring_broadcast",
+          "reduce": "ring_reduce", "all_to_all": "all_to_all", "gather": "ring_all_gather",
           "scatter": "ring_all_gather", "barrier": "ring_all_reduce", "send": "send"}
 
 

@@ -213,10 +213,12 @@ H200 = Device("NVIDIA H200 SXM", _H100_PEAK, 0.90 * 4.8e12, gemm_best=_GEMM_BEST
 
 # ---- links ---------------------------------------------------------------------------------------
 
-# The collectives' step counts and bus bytes come from cost.TERMS (the ring's, a binomial tree's).
+# The collectives' step counts and bus bytes come from cost.TERMS: rings, NCCL's broadcast and
+# reduce included (pipelined rings: N-1 steps, S bus bytes, so nccl-tests' busbw = algbw for them;
+# NVIDIA/nccl#358: broadcast is a ring; #317: tuning.cc offers the tree to all_reduce only).
 _TERM = {"all_reduce": "ring_all_reduce", "all_gather": "ring_all_gather",
-         "reduce_scatter": "ring_reduce_scatter", "broadcast": "tree_broadcast",
-         "reduce": "tree_broadcast", "all_to_all": "all_to_all", "gather": "ring_all_gather",
+         "reduce_scatter": "ring_reduce_scatter", "broadcast": "ring_broadcast",
+         "reduce": "ring_reduce", "all_to_all": "all_to_all", "gather": "ring_all_gather",
          "scatter": "ring_all_gather", "barrier": "ring_all_reduce", "send": "send"}
 # cost.predict's names map onto the same ops
 _TERM.update({v: v for v in TERMS})
