@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 import distlab
 from distlab import mesh as M
-from distlab.checks import CheckFailed, ch04
 
 # (shape, names) run on real ranks: 2D both ways round, 3D, 1D, a size-1 dimension, odd sizes.
 REAL_MESHES = [
@@ -234,90 +233,7 @@ def test_widget_redraws_when_the_learner_changes_it():
     assert repr(w) == "MeshExplorer(tp=1 × pp=1 × dp=2, colour by dp)"
 
 
-# ---- the chapter's checkers -------------------------------------------------------------------
-
-# Answers written by hand: the checkers refuse the course's own mesh code.
-def row_major_coordinate(rank, shape):
-    coord = []
-    for size in reversed(shape):
-        coord.append(rank % size)
-        rank //= size
-    return tuple(reversed(coord))
-
-
-def hand_peer_groups(rank, shape, names):
-    coord, groups = row_major_coordinate(rank, shape), {}
-    for d, name in enumerate(names):
-        members = []
-        for i in range(shape[d]):
-            c = list(coord)
-            c[d] = i
-            members.append(sum(x * math.prod(shape[k + 1:]) for k, x in enumerate(c)))
-        groups[name] = members
-    return groups
-
-
-def test_checkers_pass_hand_written_answers(capsys):
-    ch04.check_coordinate(row_major_coordinate)
-    ch04.check_peer_groups(hand_peer_groups)
-    assert capsys.readouterr().out.count("✅") == 2
-
-
-def column_major_coordinate(rank, shape):
-    coord = []
-    for size in shape:
-        coord.append(rank % size)
-        rank //= size
-    return tuple(coord)
-
-
-def groups_of_the_wrong_dimension(rank, shape, names):
-    groups = hand_peer_groups(rank, shape, names)
-    return dict(zip(names, reversed(list(groups.values()))))
-
-
-def test_checkers_name_the_rank_and_element_of_a_wrong_answer():
-    with pytest.raises(CheckFailed, match=r"column_major_coordinate\(1, \(2, 4\)\).*"
-                                          r"element \[0\]: expected 0, got 1"):
-        ch04.check_coordinate(column_major_coordinate)
-    with pytest.raises(CheckFailed, match=r"groups_of_the_wrong_dimension\(0, \(2, 4\), "
-                                          r"\('dp', 'tp'\)\).*element \['dp'\]"):
-        ch04.check_peer_groups(groups_of_the_wrong_dimension)
-
-
-def sums_over_the_whole_world(rank, world_size, shape, names, dim):
-    t = torch.tensor([float(rank), float(rank * rank)])
-    dist.all_reduce(t)
-    return t
-
-
-def test_reduce_checker_catches_the_wrong_group_and_a_stub():
-    with pytest.raises(CheckFailed, match=r"along 'dp', rank 0, element \[0\]: expected 4, got 28"):
-        ch04.check_reduce_along(sums_over_the_whole_world)
-
-    def reduce_along(rank, world_size, shape, names, dim):
-        raise NotImplementedError("exercise: replace this line with your code")
-    with pytest.raises(NotImplementedError, match="reduce_along is not written yet"):
-        ch04.check_reduce_along(reduce_along)
-
-
-def reduce_with_hand_made_groups(rank, world_size, shape, names, dim):
-    name = dim if isinstance(dim, str) else names[dim]
-    mine = None
-    for r in range(world_size):      # every rank creates every group, in the same order
-        members = hand_peer_groups(r, shape, names)[name]
-        if members[0] == r:
-            group = dist.new_group(members)
-            if rank in members:
-                mine = group
-    t = torch.tensor([float(rank), float(rank * rank)])
-    dist.all_reduce(t, group=mine)
-    return t
-
-
-def test_reduce_checker_passes_hand_made_groups(capsys):
-    ch04.check_reduce_along(reduce_with_hand_made_groups)
-    assert "✅ reduce_with_hand_made_groups sums over the same ranks" in capsys.readouterr().out
+# (workbook 04's checkers are tested in test_ch04.py)
 
 
 def test_widget_answers_a_front_end_over_the_comm_protocol():

@@ -34,7 +34,6 @@ MIN_TOKENS = 4      # a line with fewer tokens is trivial
 # copies the library, so that the list only shrinks. Workbook 08 may never appear here.
 KNOWN_TRANSCRIPTIONS = {
     # (workbook, exercise)                          cell today: what it retypes
-    ("04_device_meshes.ipynb", "coordinate_of"),     # 3: distlab.mesh.coordinate
     ("05_data_parallel.ipynb", "epoch_indices"),     # 11: checks.ch05.sampling._reference_epochs
     ("10_3d_parallelism.ipynb", "global_loss"),      # 6: distlab.parallel3d.global_loss
     ("11_debugging.ipynb", "average_gradients"),     # 10: distlab.debug.average_gradients
