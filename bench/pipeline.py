@@ -1,19 +1,17 @@
-"""Pipeline bubble measured under emulation against theory: GPipe, 1F1B, interleaved 1F1B, ZB-H1.
+"""Pipeline bubble at real size under emulation against theory: GPipe, 1F1B, interleaved 1F1B, ZB-H1.
 
-    .venv/bin/python bench/pipeline.py            # emulated (deterministic), ~2 minutes on 2 cores
+    .venv/bin/python bench/pipeline.py            # emulated (deterministic), ~1 minute on 2 cores
     .venv/bin/python bench/pipeline.py --laptop   # also the real run on this machine's cores
 
-Emulated section: p = 4 stages, m = 8 micro-batches on the "a100-nvlink" preset. The bubble
-formulas assume that compute is all there is: a message between stages (α = 3 µs on NVLink plus
-bytes / 300 GB/s) must be small against a stage's forward. So each stage holds two 4096-wide
-Linear layers (64 MiB of weights each) and micro-batches are 8 samples: on an A100 a stage's
-forward is memory-bound at ~68 µs (reading its weights), its backward ~4.6x that, and one message
-~3.4 µs (5% of a forward). The first stage's input requires grad, so its backward does the same
-work as the others' (the formulas assume equal stages). Bubble = 1 - busy / (p x span) from the
-timeline every rank records on its virtual clock. Theory: (p-1)/(m+p-1) for GPipe and 1F1B,
-(p-1)/(v m+p-1) for interleaved (v = 2); for ZB-H1 the simulator's bubble with the measured F, I
-and W times and free messages (the closed form (p-1)/(3m+p-1) needs F = I = W; here W, which
-writes and accumulates 64 MiB of weight gradient, is about twice F).
+Emulated section: p = 4 stages, m = 8 micro-batches of one 4096-token sequence; each stage is
+`BLOCKS` Llama-2 7B blocks (distlab.pipeline_parallel.LlamaBlock, bf16) built on the meta device
+(shapes, no values), on the calibrated "h100-node" preset (stage boundaries on NVLink) and on
+"h100-ib" (one H100 per node: every boundary crosses InfiniBand NDR). Bubble = 1 - busy /
+(p x span) from the timeline every rank records on its virtual clock. Beside it: the closed form
+((p-1)/(m+p-1), (p-1)/(v m+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1 with F = I = W), ZB-H1's
+closed form with the measured F, I, W ((p-1)(F+I-W) idle per stage), and the simulator with the
+measured times and one message per hop. The simulator and the emulator share formulas (action
+times, message cost): their agreement checks the code's critical path, not the hardware.
 
 The --laptop section measures the same schedules for real on this machine's cores, with a small
 model; with fewer cores than ranks the ranks share cores and the numbers are not a GPU's.
@@ -22,41 +20,15 @@ import statistics
 import sys
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import distlab
 from distlab import pipeline_parallel as pp
 from distlab import pipeline_schedules as ps
-from distlab.emulate import PRESETS, comm_seconds
 from distlab.models import make_mlp
 
-P, M, V = 4, 8, 2
-WIDTH, LAYERS_PER_STAGE, MB = 4096, 2, 8
-PRESET = "a100-nvlink"
+P, M, V, TOKENS, BLOCKS = 4, 8, 2, 4096, 2
+PRESETS = ("h100-node", "h100-ib")
 SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("interleaved 1F1B", V), ("ZB-H1", 1)]
-
-
-def emulated_step(rank, world_size, name, v):
-    """One step; this rank builds only its own chunks (the others' are shape-keeping stand-ins)."""
-    n = world_size * v
-
-    def piece(i):
-        torch.manual_seed(i)
-        layers = []
-        for _ in range(LAYERS_PER_STAGE // v or 1):
-            layers += [nn.Linear(WIDTH, WIDTH), nn.GELU()]
-        return nn.Sequential(*layers)
-
-    parts = [piece(i) if i % world_size == rank else nn.Identity() for i in range(n)]
-    stage = pp.PipelineStage(parts, rank, world_size, (WIDTH,))
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(MB * M, WIDTH, generator=g).requires_grad_()   # equal work on stage 0
-    y = torch.randn(MB * M, WIDTH, generator=g)
-    schedule = ps.interleaved_1f1b(world_size, M, v) if v > 1 else ps.make_schedule(name,
-                                                                                    world_size, M)
-    stage.step(schedule[rank], x, y, M, F.mse_loss)
-    return stage.timeline
 
 
 def mean_time(timeline, kind):
@@ -66,38 +38,31 @@ def mean_time(timeline, kind):
 
 
 def emulated():
-    cluster = PRESETS[PRESET]
-    message = comm_seconds("send", MB * WIDTH * 4, 2, cluster.intra)
-    print(f"emulated: p={P}, m={M}, two {WIDTH}-wide Linear layers per stage, micro-batches of "
-          f"{MB}; preset {cluster}; one message between stages: {message * 1e6:.2f} µs\n")
-    print(f"{'schedule':>17} {'F µs':>6} {'B µs':>6} {'theory':>7} {'with messages':>14} "
-          f"{'measured':>9} {'measured - theory':>18}")
-    worst, bubbles = 0.0, {}
-    for name, v in SCHEDULES:
-        runs = distlab.run(emulated_step, P, name, v, emulate=PRESET, timeout=600)
-        timeline = [e for rank in runs for e in rank]
-        measured = ps.bubble_fraction(timeline)
-        t_f, t_b, t_i, t_w = (v * mean_time(timeline, k) for k in "FBIW")   # per stage
-        if name == "ZB-H1":
-            t_b = t_i + t_w
-        schedule = ps.interleaved_1f1b(P, M, v) if v > 1 else ps.make_schedule(name, P, M)
-        model = ps.bubble_fraction(ps.simulate(schedule, M, t_f, t_b, t_w or None, comm=message))
-        if name == "ZB-H1":
-            # W (weight gradient, written and accumulated: memory-bound) is longer than F here,
-            # so the closed form (F = I = W) does not apply: the simulator with the measured
-            # F, I, W times and free messages is the theory.
-            theory = ps.bubble_fraction(ps.simulate(schedule, M, t_f, t_b, t_w))
-        else:
-            theory = ps.theory(name, P, M, v)
-        bubbles[name] = measured
-        worst = max(worst, abs(measured - theory))
-        print(f"{name:>17} {t_f * 1e6:>6.1f} {t_b * 1e6:>6.1f} {theory:>7.3f} {model:>14.3f} "
-              f"{measured:>9.3f} {100 * (measured - theory):>+11.1f} points", flush=True)
-    print(f"\nZB-H1 below 1F1B: {bubbles['ZB-H1'] < bubbles['1F1B']} "
-          f"({bubbles['ZB-H1']:.3f} against {bubbles['1F1B']:.3f}). 'with messages': the "
-          f"simulator with the measured times and one message per hop (it does not model that a "
-          f"stage's forward and backward sends share its link).")
-    print(f"max |measured - theory| bubble (emulated): {100 * worst:.1f} points")
+    activation = TOKENS * pp.LLAMA2_7B["hidden"] * 2
+    print(f"emulated: p={P}, m={M}, {BLOCKS} Llama-2 7B blocks per stage, micro-batches of one "
+          f"{TOKENS}-token sequence, bf16, meta tensors\n")
+    print(f"{'preset':>10} {'schedule':>17} {'F ms':>6} {'B ms':>6} {'closed':>7} "
+          f"{'closed (meas.)':>14} {'sim + msgs':>10} {'emulated':>9}")
+    for preset in PRESETS:
+        message = pp.message_seconds(preset, activation)
+        for name, v in SCHEDULES:
+            runs = distlab.run(pp.real_size_step, P, name, M, BLOCKS, TOKENS, v, emulate=preset,
+                               timeout=600)
+            timeline = [e for rank in runs for e in rank]
+            t_f, t_b, t_i, t_w = (v * mean_time(timeline, k) for k in "FBIW")   # per stage
+            schedule = ps.interleaved_1f1b(P, M, v) if v > 1 else ps.make_schedule(name, P, M)
+            closed = ps.theory(name, P, M, v)
+            if name == "ZB-H1":
+                t_b = t_i + t_w
+                measured_form = ps.zb_h1_bubble(P, M, t_f, t_i, t_w)
+            else:
+                measured_form = closed
+            model = ps.bubble_fraction(ps.simulate(schedule, M, t_f, t_b, t_w or None,
+                                                   comm=message))
+            print(f"{preset:>10} {name:>17} {t_f * 1e3:>6.2f} {t_b * 1e3:>6.2f} {closed:>7.3f} "
+                  f"{measured_form:>14.3f} {model:>10.3f} {ps.bubble_fraction(timeline):>9.3f}",
+                  flush=True)
+        print(f"{'':>10} one message between stages: {message * 1e6:.0f} µs\n")
 
 
 def measure(rank, world_size, name, m, steps):

@@ -330,3 +330,66 @@ def test_choose_m_stub_says_not_written():
         raise NotImplementedError
     with pytest.raises(NotImplementedError, match="choose_m is not written yet"):
         ch08.check_choose_m(stub)
+
+
+# ---- chapter 08's real-size bubble: every number its prose quotes, recomputed --------------------
+
+def _chapter_markdown():
+    import pathlib
+    import nbformat
+    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "08_pipeline_parallel.ipynb"
+    return "\n".join(c.source for c in nbformat.read(path, as_version=4).cells
+                     if c.cell_type == "markdown")
+
+
+def test_real_size_bubble_numbers_the_prose_quotes():
+    """Runs the chapter's three emulated real-size pipelines (Llama-2 7B blocks on meta tensors)
+    and checks each claim of cells 'The bubble at real size' and the summary against them."""
+    import distlab
+    from distlab import pipeline_parallel as pp
+    text = " ".join(_chapter_markdown().split())
+    P, M, TOKENS, HIDDEN = 4, 8, 4096, pp.LLAMA2_7B["hidden"]
+    runs = {}
+    for name, preset in [("1F1B", "h100-node"), ("ZB-H1", "h100-node"), ("1F1B", "h100-ib")]:
+        ranks = distlab.run(pp.real_size_step, P, name, M, 1, TOKENS, emulate=preset, timeout=180)
+        runs[name, preset] = [e for t in ranks for e in t]
+
+    def mean(timeline, kind):
+        xs = [e["end"] - e["start"] for e in timeline if e["kind"] == kind and e["stage"] > 0]
+        return sum(xs) / len(xs)
+    t_f, t_b = mean(runs["1F1B", "h100-node"], "F"), mean(runs["1F1B", "h100-node"], "B")
+    t_i, t_w = mean(runs["ZB-H1", "h100-node"], "I"), mean(runs["ZB-H1", "h100-node"], "W")
+    # cell 0: one activation per micro-batch
+    activation = TOKENS * HIDDEN * 2
+    assert f"({activation / 2**20:.0f} MiB for one 4096-token sequence" in text
+    # the summary: B ≈ 2.2 F, and W shorter than F (so ZB-H1 above (p-1)/(3m+p-1)), I longer
+    assert f"B ≈ {t_b / t_f:.1f} F, not 2 F" in text
+    assert t_w < t_f < t_i, "the prose says I is longer than F and W shorter"
+    assert ps.zb_h1_bubble(P, M, t_f, t_i, t_w) > ps.zb_h1_bubble(P, M)
+    assert f"= {ps.zb_h1_bubble(P, M):.3f}, which assumes F = I = W" in text
+    # the simulator agrees with ZB-H1's closed form at the measured times
+    sim_zb = ps.bubble_fraction(ps.simulate(ps.zb_h1(P, M), M, t_f, t_i + t_w, t_w))
+    assert abs(sim_zb - ps.zb_h1_bubble(P, M, t_f, t_i, t_w)) < 1e-9
+    # messages: "a few per cent" inside a node, "a fifth" across nodes
+    nvlink, ib = (pp.message_seconds(p, activation) for p in ("h100-node", "h100-ib"))
+    assert 0.01 < nvlink / t_f < 0.05 and 0.15 < ib / t_f < 0.25
+    assert "inside a node it is a few per cent of a stage's forward, across nodes a fifth" in text
+    assert 10e-6 <= nvlink                          # a real message, not 3.4 µs
+    # + messages: about a point on NVLink, several across nodes, back near the formula at 8 blocks
+    one = ps.one_f_one_b(P, M)
+    closed = ps.theory_bubble(P, M)
+    with_nvlink = ps.bubble_fraction(ps.simulate(one, M, t_f, t_b, comm=nvlink))
+    with_ib = ps.bubble_fraction(ps.simulate(one, M, t_f, t_b, comm=ib))
+    with_ib_8 = ps.bubble_fraction(ps.simulate(one, M, 8 * t_f, 8 * t_b, comm=ib))
+    assert 0.005 < with_nvlink - closed < 0.015 and with_ib - closed > 0.03
+    assert with_ib_8 - closed < 0.015
+    assert "On NVLink that is about a point; across nodes, with one block per stage, several" in text
+    # emulated beside the simulator with messages: the critical path agrees within a point
+    for (name, preset), comm in [(("1F1B", "h100-node"), nvlink), (("1F1B", "h100-ib"), ib)]:
+        sim = ps.bubble_fraction(ps.simulate(one, M, t_f, t_b, comm=comm))
+        assert abs(ps.bubble_fraction(runs[name, preset]) - sim) < 0.01
+    # ZB-H1 keeps well below 1F1B
+    assert ps.bubble_fraction(runs["ZB-H1", "h100-node"]) < 0.75 * ps.bubble_fraction(
+        runs["1F1B", "h100-node"])
+    assert "they share their formulas" in text or "share their formulas" in text
+    assert "(measured)" not in text

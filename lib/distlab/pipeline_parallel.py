@@ -48,15 +48,16 @@ def micro_batch_sizes(batch, m):
     return [batch // m + (1 if i < batch % m else 0) for i in range(m)]
 
 
-def _output_shapes(parts, in_shape, dtype):
+def _output_shapes(parts, in_shape, dtype, where):
     """Shape (without the batch dimension) leaving each part: what a receiver must allocate.
 
     Every rank holds the whole model before it keeps its own pieces, so one sample pushed through
     all of them (cheap, no autograd) tells every rank every shape without asking its neighbours.
+    (On the meta device the sample costs no time either: the clock starts at the first action.)
     """
     shapes = []
     with torch.no_grad():
-        x = torch.zeros((1, *in_shape), dtype=dtype, device=device())
+        x = torch.zeros((1, *in_shape), dtype=dtype, device=where)
         for part in parts:
             x = part(x)
             shapes.append(tuple(x.shape[1:]))
@@ -73,7 +74,11 @@ class PipelineStage:
         self.rank, self.p, self.group = rank, world_size, group
         self.v = len(parts) // world_size
         self.n = len(parts)
-        self.shapes = _output_shapes(parts, tuple(in_shape), dtype)
+        # A model built on the meta device (a real-size stage under emulation: shapes, no
+        # values) talks in meta tensors; any other runs on the course's device.
+        self.meta = any(q.is_meta for part in parts for q in part.parameters())
+        self.shapes = _output_shapes(parts, tuple(in_shape), dtype,
+                                     "meta" if self.meta else device())
         self.in_shape, self.dtype = tuple(in_shape), dtype
         self.chunks = {c: parts[c * world_size + rank] for c in range(self.v)}
         self.timeline, self.peak_activation_bytes, self.peak_in_flight = [], 0, 0
@@ -104,11 +109,15 @@ class PipelineStage:
         actions = normalize([actions])[0]
         sizes = micro_batch_sizes(len(y), n_microbatches)
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        self._device = device()
+        self._device = torch.device("meta") if self.meta else device()
         self._pending, state, total = [], {}, None
         held, self._held_bytes = {}, 0
         self.timeline, self.peak_activation_bytes, self.peak_in_flight = [], 0, 0
-        param_storages = {p.untyped_storage().data_ptr() for p in self.parameters()}
+        # Saved tensors that are weights are not activations. (Meta tensors have no storage
+        # to tell apart: there, every saved tensor that is not a parameter counts.)
+        param_storages = {p.untyped_storage().data_ptr() for p in self.parameters()
+                          if not p.is_meta}
+        param_ids = {id(p) for p in self.parameters()}
         t0 = _common_clock(self.group)
 
         for a in actions:
@@ -128,10 +137,12 @@ class PipelineStage:
                 held[key] = 0
 
                 def pack(t, key=key):
-                    if t.untyped_storage().data_ptr() not in param_storages:
+                    if id(t) not in param_ids and (
+                            t.is_meta or t.untyped_storage().data_ptr() not in param_storages):
                         held[key] += t.numel() * t.element_size()
                     return t
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                        _weight_inputs(part) as layer_outputs:
                     out = part(inp)
                     if vs == self.n - 1:
                         # Each micro-batch's mean loss weighted by its share of the batch: the
@@ -140,7 +151,7 @@ class PipelineStage:
                         total = out.detach() if total is None else total + out.detach()
                     elif (vs + 1) % self.p != self.rank:
                         self._send(out, vs + 1)
-                state[key] = {"inp": inp, "out": out}
+                state[key] = {"inp": inp, "out": out, "layers": layer_outputs}
                 self._held_bytes += held[key]
                 self.peak_activation_bytes = max(self.peak_activation_bytes, self._held_bytes)
                 self.peak_in_flight = max(self.peak_in_flight, len(held))
@@ -158,17 +169,19 @@ class PipelineStage:
                     # A first piece without parameters (Flatten) has nothing to differentiate.
                     if s["out"].requires_grad:
                         _vjp_root(s["out"], s["grad"]).backward()
-                elif a.kind == "I" and s["inp"].requires_grad:
-                    # retain_graph: W walks the same graph again for the weights. (The first
-                    # stage skips I unless its input x requires grad, as B would.)
-                    (s["inp"].grad,) = torch.autograd.grad(_vjp_root(s["out"], s["grad"]),
-                                                           [s["inp"]], retain_graph=True)
+                elif a.kind == "I":
+                    # The input's gradient, and on the way the gradient at every layer output
+                    # that feeds a weight (what W needs): autograd skips the weight-gradient
+                    # products, which nothing asked for. retain_graph: W reuses the graph.
+                    want = ([s["inp"]] if s["inp"].requires_grad else []) + \
+                        [o for _, o in s["layers"]]
+                    got = torch.autograd.grad(_vjp_root(s["out"], s["grad"]), want,
+                                              retain_graph=True, allow_unused=True) if want else []
+                    if s["inp"].requires_grad:
+                        s["inp"].grad, got = got[0], got[1:]
+                    s["layer_grads"] = list(got)
                 elif a.kind == "W":
-                    params = [p for p in part.parameters() if p.requires_grad]
-                    root = _vjp_root(s["out"], s["grad"])
-                    grads = torch.autograd.grad(root, params) if params else []
-                    for p, g in zip(params, grads):
-                        p.grad = g if p.grad is None else p.grad + g
+                    _weight_gradients(part, s)
                 if a.kind in "BI" and vs > 0 and (vs - 1) % self.p != self.rank:
                     self._send(s["inp"].grad, vs - 1)
                 if a.kind in "BW":
@@ -180,6 +193,52 @@ class PipelineStage:
         for work, _ in self._pending:
             work.wait()
         return total
+
+
+class _weight_inputs:
+    """Inside `with`: record the output of every module of `part` that owns weights (its own,
+    not its children's), as (module, output). ZB's split backward then works layer by layer, as
+    production implementations do: I stops at these outputs, W multiplies each by its layer's
+    input — one weight-gradient product per layer, nothing of the input-gradient work redone."""
+
+    def __init__(self, part):
+        self.layers = [m for m in part.modules()
+                       if any(q.requires_grad for q in m.parameters(recurse=False))]
+        self.outputs = []
+
+    def __enter__(self):
+        def keep(module, args, output):
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                self.outputs.append((module, output))
+        self.handles = [m.register_forward_hook(keep) for m in self.layers]
+        return self.outputs
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+def _weight_gradients(part, s):
+    """W: every weight's gradient from the gradient I left at its layer's output; a weight
+    whose layer output was not recorded (a module that returns a tuple) from the stage's
+    output instead, walking the graph again. Accumulated into .grad as autograd would."""
+    params = [q for q in part.parameters() if q.requires_grad]
+    done = set()
+    for (module, output), grad in zip(s.get("layers", []), s.get("layer_grads", [])):
+        own = [q for q in module.parameters(recurse=False) if q.requires_grad]
+        if grad is None or not own:
+            continue
+        for q, g in zip(own, torch.autograd.grad(output, own, grad, retain_graph=True,
+                                                 allow_unused=True)):
+            if g is not None:
+                q.grad = g if q.grad is None else q.grad + g
+        done.update(id(q) for q in own)
+    rest = [q for q in params if id(q) not in done]
+    if rest and s["out"].requires_grad:
+        grads = torch.autograd.grad(_vjp_root(s["out"], s["grad"]), rest, allow_unused=True)
+        for q, g in zip(rest, grads):
+            if g is not None:
+                q.grad = g if q.grad is None else q.grad + g
 
 
 def _now():
@@ -237,3 +296,106 @@ def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, 
                         timeline=stage.timeline, peak_bytes=stage.peak_activation_bytes,
                         peak_in_flight=stage.peak_in_flight))
     return out
+
+
+# ---- a real-size stage, for the bubble at full size (meta tensors under emulation) ----------------
+
+# Llama-2 7B's block (Touvron et al. 2023, "Llama 2: Open Foundation and Fine-Tuned Chat Models",
+# table 1, and config.json of meta-llama/Llama-2-7b-hf): hidden 4096, 32 heads, SwiGLU of 11008,
+# RMSNorm, no biases, bf16; 32 blocks. Rotary embeddings are left out (element-wise work on q and
+# k, a few per cent of a block's time): a stage here is a pure function of one tensor.
+LLAMA2_7B = dict(hidden=4096, heads=32, ffn=11008, layers=32, dtype=torch.bfloat16)
+
+
+class LlamaBlock(nn.Module):
+    """x + attention(norm(x)), then + SwiGLU(norm(x)): one pre-norm Llama block, causal."""
+
+    def __init__(self, hidden, heads, ffn, dtype=torch.bfloat16, **_):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.RMSNorm(hidden, eps=1e-5, dtype=dtype)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False, dtype=dtype)
+        self.out = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
+        self.norm2 = nn.RMSNorm(hidden, eps=1e-5, dtype=dtype)
+        self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False, dtype=dtype)
+        self.down = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        import torch.nn.functional as F
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.norm1(x)).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(y.transpose(1, 2).reshape(b, t, d))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def llama_parts(n_parts, blocks_per_part, mine=None, config=LLAMA2_7B, device="meta"):
+    """`n_parts` pipeline pieces of `blocks_per_part` Llama blocks each; only the pieces in
+    `mine` are built (on `device`), the others are shape-keeping stand-ins (nn.Identity: a block
+    keeps its input's shape), which only tell the receivers what to allocate."""
+    with torch.device(device):
+        return [nn.Sequential(*(LlamaBlock(**config) for _ in range(blocks_per_part)))
+                if mine is None or i in mine else nn.Identity() for i in range(n_parts)]
+
+
+def real_size_step(rank, world_size, schedule, m, blocks_per_stage=2, tokens=4096, v=1,
+                   config=LLAMA2_7B):
+    """One training step of a Llama-shaped pipeline on meta tensors: `world_size` stages of
+    `blocks_per_stage` blocks (in v chunks), m micro-batches of one `tokens`-long sequence;
+    returns this stage's timeline (virtual clock). `schedule`: a name of SCHEDULES, or the
+    per-stage lists. Stage 0's input requires grad, so every stage does the same work (the
+    bubble formulas assume equal stages); the loss is the output's mean square."""
+    from .pipeline_schedules import make_schedule, interleaved_1f1b
+    if isinstance(schedule, str):
+        schedule = interleaved_1f1b(world_size, m, v) if v > 1 else \
+            make_schedule(schedule, world_size, m)
+    n = world_size * v
+    parts = llama_parts(n, blocks_per_stage // v, {c * world_size + rank for c in range(v)},
+                        config)
+    stage = PipelineStage(parts, rank, world_size, (tokens, config["hidden"]),
+                          dtype=config["dtype"])
+    with torch.device("meta"):
+        x = torch.empty(m, tokens, config["hidden"], dtype=config["dtype"], requires_grad=True)
+        y = torch.empty(m, tokens, config["hidden"], dtype=config["dtype"])
+    stage.step(schedule[rank], x, y, m, lambda out, target: (out - target).square().mean())
+    return stage.timeline
+
+
+def action_times(rank, world_size, build, in_shape, rows, dtype=torch.bfloat16):
+    """Seconds of F, B, I and W of one micro-batch of `rows` through `build()` (a module built on
+    the meta device) on this rank's virtual clock — exactly the work PipelineStage charges for
+    each action (B: the full backward from the output's gradient; I then W: the split one)."""
+    part = build()
+    with torch.device("meta"):
+        x = torch.empty(rows, *in_shape, dtype=dtype, requires_grad=True)
+    times = {}
+    start = trace.now()
+    out = part(x)
+    times["F"] = trace.now() - start
+    grad = torch.empty_like(out)
+    start = trace.now()
+    _vjp_root(out, grad).backward()
+    times["B"] = trace.now() - start
+    for q in part.parameters():
+        q.grad = None
+    with _weight_inputs(part) as layers:
+        out = part(x)
+    s = {"out": out, "grad": grad, "layers": layers}
+    start = trace.now()
+    got = torch.autograd.grad(_vjp_root(out, grad), [x] + [o for _, o in layers],
+                              retain_graph=True)
+    s["layer_grads"] = list(got[1:])
+    times["I"] = trace.now() - start
+    start = trace.now()
+    _weight_gradients(part, s)
+    times["W"] = trace.now() - start
+    return times
+
+
+def message_seconds(cluster, nbytes, ranks=(0, 1)):
+    """What one stage-to-stage message of `nbytes` costs on `cluster` between global `ranks`."""
+    from .emulate import comm_seconds, resolve
+    cluster = resolve(cluster)
+    return comm_seconds("send", nbytes, 2, cluster.link_between(ranks))
