@@ -134,34 +134,41 @@ def test_candidates_split_the_gpus_the_model_and_the_batch():
 
 
 def test_context_parallelism_divides_activations_and_pays_ring_traffic():
-    from distlab import cost, layout, memory
-    base = layout.price("Llama-2 7B", dp=4, pp=1, tp=8, seq_len=32768, global_batch=64)
-    with_cp = layout.price("Llama-2 7B", dp=1, pp=1, tp=8, cp=4, seq_len=32768, global_batch=64)
-    n, layers, hidden, heads = memory.PRESETS["Llama-2 7B"]
-    acts = memory.activation_bytes(32768, 1, hidden, layers, heads, True)
-    states = sum(memory.model_state_bytes(n / 8, zero_stage=1, world_size=4).values())
-    assert with_cp["gb"] == pytest.approx((states + acts / 32) / 1e9)
+    from distlab import hardware, layout, memory
+    kw = dict(seq_len=32768, global_batch=64, checkpointing="full", zero_stage=1)
+    base = layout.price("Llama-2 7B", dp=4, pp=1, tp=8, **kw)
+    with_cp = layout.price("Llama-2 7B", dp=1, pp=1, tp=8, cp=4, overlap_cp=False, **kw)
+    hidden_cp = layout.price("Llama-2 7B", dp=1, pp=1, tp=8, cp=4, **kw)
+    n = memory.PRESETS["Llama-2 7B"][0]
+    # each rank keeps the layer inputs of 1/cp of the sequence (split 1/tp by SP)
+    saved = memory.activation_breakdown(32768 // 4, 1, 4096, 32, recompute="full", tp=8,
+                                        sequence_parallel=True)
+    emb = 2 * 32000 * 4096 / 8
+    states = sum(memory.model_state_bytes((n - 2 * 32000 * 4096) / 8 + emb, zero_stage=1,
+                                          world_size=4).values())
+    assert with_cp["steady_gb"] * 1e9 == pytest.approx(states + 32 * sum(saved.values()))
     assert base["cp_s"] == 0.0 and with_cp["cp_s"] > 0
-    m = 64                     # micro-batches per dp rank: one dp rank of micro-batch 1
-    hop = cost.predict("send", 2 * 32768 // 4 * hidden / 8, 2, cost.INTER_NODE)
-    assert with_cp["cp_s"] == pytest.approx(m * layers * 3 * 6 * hop)
-    assert with_cp["compute_s"] == pytest.approx(base["compute_s"])     # same 32 GPUs
+    # ring attention: cp - 1 hops of K, V forward (twice: the recompute) and K, V, dK, dV back
+    block = 2 * 32768 // 4 * 4096 / 8
+    link = hardware.PRESETS["h100-cluster"].link_between([0, 8, 16, 24])
+    hops = 2 * link.seconds("send", 2 * block, 2) + link.seconds("send", 4 * block, 2)
+    m = 64
+    assert with_cp["cp_s"] == pytest.approx(m * 32 * 3 * hops)
+    assert hidden_cp["cp_s"] < with_cp["cp_s"]      # hidden behind attention as far as it lasts
 
 
-def test_price_follows_the_cost_and_memory_models():
-    from distlab import cost, layout, memory
+def test_price_follows_the_memory_model_stage_by_stage():
+    from distlab import layout, memory
     r = layout.price("Llama-2 7B", dp=4, pp=2, tp=4, gpus_per_node=8, global_batch=64,
                      seq_len=2048, micro_batch=1, zero_stage=0)
-    n, layers, hidden, heads = memory.PRESETS["Llama-2 7B"]
-    states = sum(memory.model_state_bytes(n / 8).values())
-    acts = memory.activation_bytes(2048, 1, hidden, layers, heads, True) / 4
-    assert r["gb"] == pytest.approx((states + acts) / 1e9)
-    m = 64 // 4
-    assert r["bubble_s"] == pytest.approx(r["compute_s"] * 1 / m)
-    # 4 x 2 x 4 = 32 GPUs: the dp group spans nodes, so its all-reduce uses the inter-node link.
-    assert r["dp_s"] == pytest.approx(cost.predict("ring_all_reduce", 2 * n / 8, 4, cost.INTER_NODE))
-    assert r["tp_s"] == pytest.approx(m * layers / 2 * 4 * cost.predict(
-        "ring_all_reduce", 2 * 2048 * hidden, 4, cost.INTRA_NODE))
+    n = memory.PRESETS["Llama-2 7B"][0]
+    first = (n - 2 * 32000 * 4096) / 8 + 32000 * 4096 / 4        # half the layers + embedding
+    saved = memory.activation_breakdown(2048, 1, 4096, 32, recompute="full", tp=4,
+                                        sequence_parallel=True)
+    # 1F1B: the first stage holds pp = 2 micro-batches of its 16 layers
+    assert r["steady_gb"] * 1e9 == pytest.approx(sum(memory.model_state_bytes(first).values())
+                                                 + 2 * 16 * sum(saved.values()))
+    assert r["micro_batches"] == 16 and r["gb"] > r["steady_gb"]
 
 
 def test_rank_layouts_puts_what_fits_first_fastest_first():

@@ -62,7 +62,8 @@ RECOMPUTATION = ("none", "selective", "full")
 
 
 def activation_breakdown(seq_len, batch, hidden, heads, attention="flash", recompute="none",
-                         bytes_per_value=2, dropout=True, ffn_mult=4):
+                         bytes_per_value=2, dropout=True, ffn_mult=4, tp=1,
+                         sequence_parallel=False, kv_heads=None, glu=False):
     """{what: bytes} that ONE transformer layer keeps for backward (no tensor parallelism).
 
     A GPT block, as Korthikanti et al. (2022, "Reducing Activation Recomputation in Large
@@ -80,6 +81,17 @@ def activation_breakdown(seq_len, batch, hidden, heads, attention="flash", recom
     recomputes it in backward — what flash attention already does inside its kernel, so with
     flash it changes nothing. recompute="full" keeps only the layer's input (s·b·h values) and
     reruns the whole layer's forward in backward.
+
+    Tensor parallelism over `tp` ranks (the paper's §4.2, Table 2): the matrices' outputs (Q, K,
+    V, the attention output, the MLP hidden, the s×s scores) are split 1/tp; the LayerNorm
+    inputs, the QKV and MLP inputs and the dropout masks — 10·s·b·h of the 34 — are REPLICATED on
+    every tp rank unless `sequence_parallel` splits them along the sequence: s·b·h·(10 + 24/t)
+    without SP, 34·s·b·h/t with it. Under full recompute the stored layer input is replicated
+    (2·s·b·h) without SP and split (2·s·b·h/t) with it.
+    `kv_heads` (grouped-query attention, Ainslie et al. 2023): K and V have kv_heads·head_dim
+    features instead of hidden. `glu` (SwiGLU, Shazeer 2020): the MLP keeps its gate and up
+    projections' outputs and their product (3 × ffn_mult·h values) instead of GeLU's input and
+    output (2 × ffn_mult·h).
     """
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}; got {attention!r}.")
@@ -87,39 +99,51 @@ def activation_breakdown(seq_len, batch, hidden, heads, attention="flash", recom
     if recompute not in RECOMPUTATION:
         raise ValueError(f"recompute must be one of {RECOMPUTATION} (or True/False); "
                          f"got {recompute!r}.")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tp must be a whole number >= 1; got {tp!r}.")
     sbh, v = seq_len * batch * hidden, bytes_per_value
+    # what sequence parallelism splits (and plain tensor parallelism replicates), and what
+    # tensor parallelism always splits
+    rep = tp if sequence_parallel else 1
     if recompute == "full":
-        return {"layer input (the rest is recomputed)": v * sbh}
+        return {"layer input (the rest is recomputed)": v * sbh / rep}
+    kv = (kv_heads or heads) / heads            # K and V are kv/heads of Q's size under GQA
     parts = {
-        "LayerNorm inputs": 2 * v * sbh,
-        "QKV matmul input": v * sbh,
-        "Q, K, V": 3 * v * sbh,
-        "attention output": v * sbh,
-        "MLP input": v * sbh,
-        "MLP hidden, before and after GeLU": 2 * ffn_mult * v * sbh,
+        "LayerNorm inputs": 2 * v * sbh / rep,
+        "QKV matmul input": v * sbh / rep,
+        "Q, K, V": (1 + 2 * kv) * v * sbh / tp,
+        "attention output": v * sbh / tp,
+        "MLP input": v * sbh / rep,
     }
+    if glu:
+        parts["MLP gate, up and their product"] = 3 * ffn_mult * v * sbh / tp
+    else:
+        parts["MLP hidden, before and after GeLU"] = 2 * ffn_mult * v * sbh / tp
     if dropout:
-        parts["dropout masks"] = 2 * sbh
-    scores = heads * seq_len * seq_len * batch
+        parts["dropout masks"] = 2 * sbh / rep
+    scores = heads * seq_len * seq_len * batch / tp
     if attention == "materialized" and recompute == "none":
         parts["s×s attention scores"] = (2 * v + 1) * scores if dropout else v * scores
     elif attention == "flash":
-        parts["log-sum-exp (float32)"] = 4 * heads * seq_len * batch
+        parts["log-sum-exp (float32)"] = 4 * heads * seq_len * batch / tp
     return parts
 
 
 def activation_bytes(seq_len, batch, hidden, layers, heads, checkpointing=False,
-                     attention="flash", bytes_per_value=2, dropout=True):
+                     attention="flash", bytes_per_value=2, dropout=True, tp=1,
+                     sequence_parallel=False, kv_heads=None, glu=False, ffn_mult=4):
     """Activations a transformer keeps for backward, 16-bit by default, without tensor parallel.
 
     Per layer s·b·h·(34 + 5·a·s/h) bytes with attention="materialized" (Korthikanti et al. 2022,
     eq. 1); about 34·s·b·h with attention="flash" (the default, as scaled_dot_product_attention
     runs), since the s×s scores are never stored. checkpointing: False, "selective" (recompute
     the attention scores) or "full"/True (keep only each layer's input, 2·s·b·h bytes, and
-    recompute the rest). activation_breakdown() lists the terms.
+    recompute the rest). activation_breakdown() lists the terms; `tp`, `sequence_parallel`,
+    `kv_heads`, `glu` and `ffn_mult` are its (Korthikanti's Table 2 with and without SP).
     """
     parts = activation_breakdown(seq_len, batch, hidden, heads, attention, checkpointing,
-                                 bytes_per_value, dropout)
+                                 bytes_per_value, dropout, ffn_mult, tp, sequence_parallel,
+                                 kv_heads, glu)
     return layers * sum(parts.values())
 
 
