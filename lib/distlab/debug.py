@@ -221,15 +221,31 @@ def profile_ddp_steps(rank, world_size, width=256, steps=3, batch=64):
     return {"ms": ms, "top": [e.key for e in ops[:5]]}
 
 
-def step_times(rank, world_size, slow_rank=None, delay=0.05, steps=5, width=128):
+def step_times(rank, world_size, slow_rank=None, delay=0.05, steps=5, width=128, slowdown=None,
+               real_size=None):
     """Per-step seconds of data-parallel training on this rank: its own compute, then the time it
-    waits inside the gradient all-reduce. `slow_rank` spends `delay` more per step (a straggler:
-    a slower GPU, a noisy neighbour, a rank that also writes the checkpoint).
+    waits inside the gradient all-reduce. `slow_rank` spends `delay` more per step, or, with
+    `slowdown`, that fraction of its own compute more (a straggler: a throttled GPU, a noisy
+    neighbour, a rank that also writes the checkpoint).
+
+    `real_size`: a dict (hidden, layers, tokens) for a step at real size on meta tensors (run it
+    under emulation): `layers` MLP blocks hidden -> 4·hidden -> hidden in bf16, `tokens` rows per
+    rank; `width` is then unused. The gradients leave in one all-reduce after backward (no
+    overlap), so the step is compute + all-reduce + whatever the slowest rank adds.
 
     Times are read from `distlab.trace.now()`: the wall clock in a plain run, the modeled clock
     under `distlab.run(..., emulate=...)`, where the straggler's delay is modeled compute too."""
-    model = make_mlp((16, width, width, 4), seed=0)
-    x, y = regression_data(n=32, seed=rank)
+    if real_size is None:
+        model = make_mlp((16, width, width, 4), seed=0)
+        x, y = regression_data(n=32, seed=rank)
+    else:
+        h, tokens = real_size["hidden"], real_size["tokens"]
+        with torch.device("meta"):
+            model = torch.nn.Sequential(*[m for _ in range(real_size["layers"]) for m in (
+                torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h))])
+            model = model.to(torch.bfloat16)
+            x = torch.empty(tokens, h, dtype=torch.bfloat16)
+            y = torch.empty(tokens, h, dtype=torch.bfloat16)
     compute, wait = [], []
     dist.barrier()
     for _ in range(steps):
@@ -238,9 +254,10 @@ def step_times(rank, world_size, slow_rank=None, delay=0.05, steps=5, width=128)
             model.zero_grad()
             F.mse_loss(model(x), y).backward()
         if rank == slow_rank:
-            trace.compute(delay, name="straggler")
-        done = trace.now()
+            extra = delay if slowdown is None else slowdown * (trace.now() - start)
+            trace.compute(extra, name="straggler")
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        done = trace.now()
         dist.all_reduce(grads)
         compute.append(done - start)
         wait.append(trace.now() - done)
