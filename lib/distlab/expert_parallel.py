@@ -195,3 +195,94 @@ def all_to_all_volume(tokens, top_k, d_model, ep_size, bytes_per_element=4):
     (dispatch, combine) and two more backward.
     """
     return tokens * top_k * (ep_size - 1) / ep_size * d_model * bytes_per_element
+
+
+# ---- load imbalance and the all-to-alls at real size (meta tensors under emulation) ---------------
+
+# Mixtral 8x7B's MoE layer (Jiang et al. 2024, "Mixtral of Experts", table 1: dim 4096,
+# hidden_dim 14336, num_experts 8, top_k_experts 2; each expert a SwiGLU FFN), bf16.
+MIXTRAL_8X7B = dict(d_model=4096, ffn=14336, n_experts=8, top_k=2, dtype=torch.bfloat16)
+
+
+class SwiGLUExpert(nn.Module):
+    """One Mixtral expert: down(silu(gate(x)) * up(x)), no biases (gate and up in one matmul)."""
+
+    def __init__(self, d_model, ffn, dtype=torch.bfloat16, **_):
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * ffn, bias=False, dtype=dtype)
+        self.down = nn.Linear(ffn, d_model, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(nn.functional.silu(gate) * up)
+
+
+def skewed_rows(tokens, top_k, n_experts, busiest_over_mean):
+    """Rows each expert receives from ONE rank when every rank's router sends expert 0
+    `busiest_over_mean` times its fair share of the tokens·k assignments and spreads the rest
+    evenly: a FIXED routing (meta tensors have no values to route by), the same on every rank.
+    Rounded to whole rows; the total stays tokens·k."""
+    if not 1.0 <= busiest_over_mean <= n_experts:
+        raise ValueError(f"busiest/mean must lie between 1 (balanced) and {n_experts} (every "
+                         f"assignment on one expert); got {busiest_over_mean}.")
+    total = tokens * top_k
+    hot = round(total * busiest_over_mean / n_experts)
+    rest = total - hot
+    cold = [rest // (n_experts - 1) + (1 if i < rest % (n_experts - 1) else 0)
+            for i in range(n_experts - 1)] if n_experts > 1 else []
+    return [hot] + cold
+
+
+def imbalanced_layer_step(rank, world_size, busiest_over_mean, tokens=8192, config=MIXTRAL_8X7B):
+    """One MoE layer's expert-parallel forward and backward at full size on meta tensors, one
+    expert per rank, with the fixed routing of `skewed_rows`: dispatch all-to-all, the local
+    expert, combine all-to-all, then the backward (the same exchanges reversed). The router, the
+    permutation and the gate multiply are left out: their cost does not depend on the balance.
+    Returns (rows this rank's expert processed, seconds of the layer, seconds of its expert's
+    forward + backward) on this rank's virtual clock."""
+    from . import trace
+    if config["n_experts"] != world_size:
+        raise ValueError(f"this step holds one expert per rank: run it on "
+                         f"{config['n_experts']} ranks, not {world_size}.")
+    rows = skewed_rows(tokens, config["top_k"], config["n_experts"], busiest_over_mean)
+    send = rows                                   # to rank j: the rows for expert j
+    recv = [rows[rank]] * world_size              # from every rank: its rows for my expert
+    with torch.device("meta"):
+        expert = SwiGLUExpert(**config)
+        x = torch.empty(sum(send), config["d_model"], dtype=config["dtype"], requires_grad=True)
+    dist.barrier()
+    start = trace.now()
+    arrived = AllToAll.apply(x, recv, send, dist.group.WORLD)
+    t0 = trace.now()
+    out = expert(arrived)
+    forward = trace.now() - t0
+    back = AllToAll.apply(out, send, recv, dist.group.WORLD)
+    # the backward, timed by the ranks' clocks; the expert's own part recorded with a hook
+    spans = []
+    arrived.register_hook(lambda g: spans.append(trace.now()))
+    out.register_hook(lambda g: spans.append(trace.now()))
+    back.backward(torch.empty_like(back))
+    expert_seconds = forward + (spans[1] - spans[0])
+    return rows[rank] * world_size, trace.now() - start, expert_seconds
+
+
+def all_to_all_seconds(nbytes, world_size, cluster):
+    """Modeled seconds of one all-to-all in which every one of `world_size` ranks sends `nbytes`
+    spread evenly over all ranks (itself included), on `cluster` (ranks placed node by node).
+
+    Inside a node: the node link's own model. Across nodes the traffic has two levels: the share
+    for ranks on other nodes leaves through this GPU's own NIC (one NIC per GPU, as in DGX
+    nodes), the share for its node's ranks over NVLink, both at once: the longer one sets the
+    time. (A ring crossing nodes gets min(NVLink, k NICs) — `Cluster.link_between` — but an
+    all-to-all cannot spread one GPU's cross-node bytes over its neighbours' NICs without
+    forwarding them over NVLink first, which is what DeepEP's kernels do at the same NIC rate.)"""
+    from .emulate import resolve
+    cluster = resolve(cluster)
+    per_node = min(world_size, cluster.ranks_per_node)
+    if cluster.inter is None or world_size <= per_node:
+        return cluster.intra.seconds("all_to_all", nbytes, world_size)
+    link = cluster.link_between(range(world_size))
+    local = nbytes * (per_node - 1) / world_size         # to the other GPUs of this node
+    remote = nbytes * (world_size - per_node) / world_size
+    return link.latency + (world_size // per_node - 1) * link.hop + max(
+        local / cluster.intra.bandwidth, remote / cluster.inter.bandwidth)
