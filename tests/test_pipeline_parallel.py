@@ -373,3 +373,49 @@ def test_torch_pipelining_matches_the_reference(schedule_name, p):
     for _, grads in got:
         for n, g in grads.items():
             torch.testing.assert_close(g, expected["grads"][n], rtol=1e-10, atol=1e-13)
+
+
+def test_split_backward_per_layer_equals_the_full_backward():
+    """ZB's I then W, split per layer (I stops at each weight's layer output, W one product per
+    layer), gives the full backward's input and weight gradients - also through a module that
+    returns a tuple, whose weights W reaches by walking the graph again."""
+    import torch.nn as nn
+    from distlab.pipeline_parallel import _vjp_root, _weight_gradients, _weight_inputs
+
+    class Pair(nn.Module):                     # owns a weight, returns a tuple: not recorded
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.eye(5, dtype=torch.float64) + 0.1)
+
+        def forward(self, x):
+            return x @ self.w, x
+
+    class First(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pair = Pair()
+            self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 5, dtype=torch.float64))
+
+        def forward(self, x):
+            y, skip = self.pair(x)
+            return y * self.scale + skip
+
+    torch.manual_seed(0)
+    part = nn.Sequential(First(), nn.GELU(), nn.Linear(5, 3, dtype=torch.float64))
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(4, 3, dtype=torch.float64)
+    _vjp_root(part(x), grad).backward()
+    full = [q.grad.clone() for q in part.parameters()] + [x.grad.clone()]
+    for q in part.parameters():
+        q.grad = None
+    x.grad = None
+    with _weight_inputs(part) as layers:
+        out = part(x)
+    s = {"out": out, "grad": grad, "layers": layers}
+    got = torch.autograd.grad(_vjp_root(out, grad), [x] + [o for _, o in layers],
+                              retain_graph=True)
+    s["layer_grads"] = list(got[1:])
+    assert len(layers) == 2                    # First (its scale) and the last Linear
+    _weight_gradients(part, s)
+    split = [q.grad for q in part.parameters()] + [got[0]]
+    assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(full, split))
