@@ -149,9 +149,8 @@ def test_the_answer_key_equals_the_real_collectives(ws):
 
 def test_checkers_pass_right_answers(capsys):
     ch02.check_predict_reduce_scatter(predict_reduce_scatter)
-    ch02.check_predict_all_to_all(predict_all_to_all)
     ch02.check_all_gather_uneven(all_gather_uneven)
-    assert capsys.readouterr().out.count("✅") == 3
+    assert capsys.readouterr().out.count("✅") == 2
 
 
 def test_a_wrong_prediction_names_world_size_rank_and_element():
@@ -162,14 +161,8 @@ def test_a_wrong_prediction_names_world_size_rank_and_element():
                        match=r"world_size=2 .*rank 0.*expected shape \(1,\), got \(2,\)"):
         ch02.check_predict_reduce_scatter(all_reduce_instead)
 
-    def transposed_wrong(inputs):  # keeps its own chunks: the identity
-        return [t.clone() for t in inputs]
-
-    with pytest.raises(CheckFailed, match=r"world_size=2 .*rank 0, element \[1\]: expected "):
-        ch02.check_predict_all_to_all(transposed_wrong)
-
     with pytest.raises(CheckFailed, match="expected 2 items, got 1"):
-        ch02.check_predict_all_to_all(lambda inputs: [inputs[0]])
+        ch02.check_predict_reduce_scatter(lambda inputs: [inputs[0]])
 
 
 def test_all_gather_uneven_without_trimming_is_caught():
@@ -267,7 +260,148 @@ def test_stubs_give_one_line_not_implemented():
     def stub(*args):
         raise NotImplementedError("exercise: replace this line with your code")
 
-    for check in (ch02.check_predict_reduce_scatter, ch02.check_predict_all_to_all,
-                  ch02.check_all_gather_uneven):
+    for check in (ch02.check_predict_reduce_scatter, ch02.check_reduce_scatter_from_all_to_all,
+                  ch02.check_all_gather_uneven, ch02.check_broadcast_with_grad):
         with pytest.raises(NotImplementedError, match="is not written yet"):
             check(stub)
+
+
+# ---- exercise 2: reduce_scatter from all_to_all -------------------------------------------------
+
+def reduce_scatter_by_list_all_to_all(x):
+    # Differently written: the list form of all_to_all, then a stack and a sum.
+    ws = dist.get_world_size()
+    received = [torch.empty(x.numel() // ws) for _ in range(ws)]
+    dist.all_to_all(received, list(x.chunk(ws)))
+    return torch.stack(received).sum(0)
+
+
+def reduce_scatter_by_all_gather(x):
+    # Right values, wrong structure: every rank gathers every whole tensor and adds its chunk.
+    ws = dist.get_world_size()
+    every = [torch.empty_like(x) for _ in range(ws)]
+    dist.all_gather(every, x)
+    return torch.stack(every).sum(0).chunk(ws)[dist.get_rank()]
+
+
+def reduce_scatter_itself(x):
+    # The cheat: the collective the exercise is to build.
+    out = torch.empty(x.numel() // dist.get_world_size())
+    dist.reduce_scatter_single(out, x)
+    return out
+
+
+def reduce_scatter_by_the_ring(x):
+    from distlab.collectives import ring_reduce_scatter
+    return ring_reduce_scatter(x)
+
+
+def reduce_scatter_keeping_the_wrong_chunk(x):
+    # Wrong: all_to_all, then the sum of the received chunks... of the chunk it sent itself.
+    ws = dist.get_world_size()
+    received = torch.empty_like(x)
+    dist.all_to_all_single(received, x)
+    return x.view(ws, -1).sum(0)
+
+
+def test_reduce_scatter_from_all_to_all(capsys, monkeypatch):
+    monkeypatch.setattr(ch02, "WORLD_SIZES", (3,))
+    ch02.check_reduce_scatter_from_all_to_all(reduce_scatter_by_list_all_to_all)
+    assert "✅ reduce_scatter_by_list_all_to_all gives what reduce_scatter" in \
+        capsys.readouterr().out
+    with pytest.raises(CheckFailed, match=r"world_size=3: the values are right, but rank 0 called "
+                                          r"all_gather; the exercise is to build reduce_scatter "
+                                          r"from all_to_all and local sums only"):
+        ch02.check_reduce_scatter_from_all_to_all(reduce_scatter_by_all_gather)
+    with pytest.raises(CheckFailed, match=r"rank 0 called reduce_scatter itself"):
+        ch02.check_reduce_scatter_from_all_to_all(reduce_scatter_itself)
+    with pytest.raises(CheckFailed, match=r"course's own ring_reduce_scatter; the exercise is to "
+                                          r"build reduce_scatter from all_to_all yourself"):
+        ch02.check_reduce_scatter_from_all_to_all(reduce_scatter_by_the_ring)
+    with pytest.raises(CheckFailed, match=r"world_size=3 and 1 element\(s\) per chunk, rank 0, "
+                                          r"element \[0\]: expected "):
+        ch02.check_reduce_scatter_from_all_to_all(reduce_scatter_keeping_the_wrong_chunk)
+
+
+# ---- exercise 4: a broadcast that autograd sees -------------------------------------------------
+
+class _BroadcastAllReduceBackward(torch.autograd.Function):
+    # Differently written: backward all-reduces (more bytes than a reduce, the same values on
+    # the source) and masks the other ranks with a multiplication.
+    @staticmethod
+    def forward(ctx, x, src):
+        ctx.src = src
+        out = torch.empty_like(x).copy_(x)
+        dist.broadcast(out, src)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g)
+        return g * float(dist.get_rank() == ctx.src), None
+
+
+def broadcast_all_reduce_backward(x, src):
+    return _BroadcastAllReduceBackward.apply(x, src)
+
+
+def broadcast_in_place(x, src):
+    # The chapter's trap: dist.broadcast outside autograd's graph.
+    y = x.detach().clone()
+    dist.broadcast(y, src=src)
+    return y
+
+
+class _BroadcastLocalBackward(torch.autograd.Function):
+    # Wrong structure: forward right, backward keeps each rank's own gradient.
+    @staticmethod
+    def forward(ctx, x, src):
+        y = x.clone()
+        dist.broadcast(y, src=src)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def broadcast_local_backward(x, src):
+    return _BroadcastLocalBackward.apply(x, src)
+
+
+def broadcast_by_torch(x, src):
+    import torch.distributed.nn.functional as F
+    return F.broadcast(x, src)
+
+
+def test_broadcast_with_grad(capsys, monkeypatch):
+    monkeypatch.setattr(ch02, "BROADCAST_CASES", ((3, 1),))
+    ch02.check_broadcast_with_grad(broadcast_all_reduce_backward)
+    assert "✅ broadcast_all_reduce_backward broadcasts" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match=r"world_size=3, src=1: rank 0's result does not require "
+                                          r"grad, so autograd cannot reach x"):
+        ch02.check_broadcast_with_grad(broadcast_in_place)
+    with pytest.raises(CheckFailed, match=r"world_size=3, src=1, rank 0's x.grad \(should be "
+                                          r"zeros: only rank 1's x reached the result\), element "
+                                          r"\[0\]: expected 0, got 1"):
+        ch02.check_broadcast_with_grad(broadcast_local_backward)
+    with pytest.raises(CheckFailed, match=r"course's own broadcast; the exercise is to write the "
+                                          r"broadcast's backward yourself"):
+        ch02.check_broadcast_with_grad(broadcast_by_torch)
+
+
+def test_every_exercise_has_two_folded_hints():
+    import pathlib
+    import nbformat
+    path = pathlib.Path(__file__).resolve().parent.parent / "solutions" / "02_collectives.ipynb"
+    cells = nbformat.read(path, as_version=4).cells
+    starts = [i for i, c in enumerate(cells) if c.source.startswith("## Exercise")]
+    assert len(starts) == 4
+    for i in starts:
+        hints = []
+        for c in cells[i + 1:]:
+            if c.cell_type == "code":
+                break
+            hints.append(c.source.startswith("<details><summary><b>Hint"))
+        assert hints.count(True) == 2, f"{cells[i].source.splitlines()[0]}: {sum(hints)} hints"

@@ -2,7 +2,10 @@
 
 Predictions ("what does every rank hold after reduce_scatter?") are written by the learner as
 plain single-process functions and compared with what the real collective returns on real
-ranks. `all_gather_uneven` runs on the ranks itself and is compared with the inputs it was given.
+ranks. The others run on the ranks: reduce_scatter built from all_to_all (judged by its values
+and by the collectives the trace shows), `all_gather_uneven` (compared with the inputs it was
+given; the object collectives refused), and a broadcast autograd sees (its result and every
+rank's gradient against single-process autograd's).
 """
 import contextlib
 import re
@@ -13,6 +16,7 @@ import torch.distributed as dist
 from ..launch import RunTimeout
 from . import (CheckFailed, RankFailed, UsedCourseCode, _refusing_code, call_learner, compare,
                forbid, passed, run, run_learner, sizes_phrase)
+from .ch01 import learner_run
 
 WORLD_SIZES = (2, 3, 4)
 TIMEOUT = 20  # a learner's hang is reported, with where each rank waits, within this
@@ -83,9 +87,51 @@ def check_predict_reduce_scatter(fn):
     _check_prediction(fn, "reduce_scatter", getattr(fn, "__name__", "predict_reduce_scatter"))
 
 
-def check_predict_all_to_all(fn):
-    """fn(inputs) -> one tensor per rank: what all_to_all leaves on each rank."""
-    _check_prediction(fn, "all_to_all", getattr(fn, "__name__", "predict_all_to_all"))
+# ---- exercise 2: reduce_scatter built from all_to_all -----------------------------------------
+
+_ALLOWED_IN_RS = ("all_to_all", "barrier")
+
+
+def _reduce_scatter_on_ranks(rank, world_size, fn, per_chunks):
+    from ..collectives import ring_all_reduce, ring_reduce_scatter
+    out = []
+    with forbid(*_references(), ring_reduce_scatter, ring_all_reduce,
+                exercise="build reduce_scatter from all_to_all yourself"):
+        for per_chunk in per_chunks:
+            x = _inputs(world_size, world_size * per_chunk, seed=7 + per_chunk)[rank]
+            out.append(fn(x.clone()))
+    return out
+
+
+def check_reduce_scatter_from_all_to_all(fn):
+    """fn(x) runs on every rank with its 1-D tensor; returns this rank's chunk of the sum, built
+    with all_to_all and local arithmetic only."""
+    name = getattr(fn, "__name__", "reduce_scatter_from_all_to_all")
+    per_chunks = (1, 3)
+    for ws in WORLD_SIZES:
+        got = learner_run(_reduce_scatter_on_ranks, ws, fn, per_chunks, name=name,
+                          hang_rule="every rank must call the same all_to_all with tensors of "
+                          "the same size.")
+        for i, per_chunk in enumerate(per_chunks):
+            expected = real("reduce_scatter", _inputs(ws, ws * per_chunk, seed=7 + per_chunk))
+            for rank in range(ws):
+                compare(got[rank][i], expected[rank],
+                        f"{name} with world_size={ws} and {per_chunk} element(s) per chunk, "
+                        f"rank {rank}", atol=0, rtol=0)
+        for rank in range(ws):
+            calls = got.trace.comm(rank)
+            other = next((e for e in calls if e["op"] not in _ALLOWED_IN_RS), None)
+            if other is not None:
+                what = ("reduce_scatter itself" if other["op"] == "reduce_scatter"
+                        else f"{other['op']}")
+                raise CheckFailed(f"{name} with world_size={ws}: the values are right, but rank "
+                                  f"{rank} called {what}; the exercise is to build "
+                                  f"reduce_scatter from all_to_all and local sums only.")
+            if not any(e["op"] == "all_to_all" for e in calls):
+                raise CheckFailed(f"{name} with world_size={ws}: rank {rank} never called "
+                                  f"all_to_all.")
+    passed(f"{name} gives what reduce_scatter gives every rank, at world sizes "
+           f"{sizes_phrase(WORLD_SIZES)}, with one all_to_all and a local sum.")
 
 
 # ---- exercise 3: all_gather for tensors of different lengths ----------------------------------
@@ -156,3 +202,64 @@ def check_all_gather_uneven(fn):
                     atol=0, rtol=0)
     passed(f"{name} gathers tensors of different lengths (an empty one too) at world sizes "
            f"{sizes_phrase(WORLD_SIZES)}.")
+
+
+# ---- exercise 4: a broadcast that autograd sees ------------------------------------------------
+
+BROADCAST_CASES = ((2, 1), (3, 0), (4, 2))   # (world size, src): the source is not always rank 0
+
+
+def _weights(rank, n):
+    # Every rank uses the broadcast value with its own weights, so each gradient is different.
+    return torch.arange(1.0, n + 1) * (rank + 1) + 0.5 * rank
+
+
+def _torch_broadcast_autograd():
+    import torch.distributed.nn.functional as F
+    return (F.broadcast, F._Broadcast.forward, F._Broadcast.backward)
+
+
+def _broadcast_grad_on_ranks(rank, world_size, fn, src, n):
+    from ..collectives import tree_broadcast
+    x = (torch.arange(float(n)) + 100 * rank).requires_grad_()
+    with forbid(*_references(), *_torch_broadcast_autograd(), tree_broadcast,
+                exercise="write the broadcast's backward yourself, as a torch.autograd.Function"):
+        y = fn(x, src)
+        if not isinstance(y, torch.Tensor):
+            return "not a tensor", repr(y)
+        if not y.requires_grad:
+            return "no graph", None
+        (y * _weights(rank, n)).sum().backward()
+    return y.detach(), x.grad
+
+
+def check_broadcast_with_grad(fn):
+    """fn(x, src) on every rank -> src's x on every rank, differentiable: the gradient of src's x
+    is the sum of every rank's gradient of the result; the other ranks' x get zeros."""
+    name = getattr(fn, "__name__", "broadcast_with_grad")
+    n = 3
+    for ws, src in BROADCAST_CASES:
+        got = learner_run(_broadcast_grad_on_ranks, ws, fn, src, n, name=name,
+                          hang_rule="every rank must call the same collectives, in forward and "
+                          "in backward.")
+        context = f"{name} with world_size={ws}, src={src}"
+        for rank, (y, grad) in enumerate(got):
+            if y == "not a tensor":
+                raise CheckFailed(f"{context}: rank {rank} got {grad} back; return a tensor.")
+            if y == "no graph":
+                raise CheckFailed(f"{context}: rank {rank}'s result does not require grad, so "
+                                  f"autograd cannot reach x: dist.broadcast works in place, "
+                                  f"outside autograd's graph; wrap it in a torch.autograd."
+                                  f"Function whose backward you write.")
+            compare(y, torch.arange(float(n)) + 100 * src, f"{context}, rank {rank}'s result")
+            if grad is None:
+                raise CheckFailed(f"{context}: rank {rank}'s x.grad is None; backward must "
+                                  f"return a gradient for x on every rank (zeros where x was "
+                                  f"not used).")
+            expected = (sum(_weights(r, n) for r in range(ws)) if rank == src
+                        else torch.zeros(n))
+            why = ("the sum of every rank's gradient of the result" if rank == src
+                   else f"zeros: only rank {src}'s x reached the result")
+            compare(grad, expected, f"{context}, rank {rank}'s x.grad (should be {why})")
+    cases = ", ".join(f"{ws} ranks from src {src}" for ws, src in BROADCAST_CASES)
+    passed(f"{name} broadcasts and sends the gradients back to the source ({cases}).")
