@@ -1,5 +1,8 @@
 """Chapter 11: the detectors find each bug class, the correct loop equals one process, and the
 workbook's checkers pass the fixes and reject the broken versions with the right sentence."""
+import sys
+
+import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,6 +13,9 @@ from distlab.checks import CheckFailed, ch11
 from distlab.models import make_mlp
 
 T = 120
+# The rank functions below travel BY VALUE, as a notebook cell's do: by reference every rank of
+# every launch would import this module, and pytest with it (about a second per launch here).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 # ---- the broken pieces (module level: they travel to the ranks by value) -------------------------
@@ -43,7 +49,7 @@ def _max_diff(a, b):
 
 # ---- the loop and the detectors ------------------------------------------------------------------
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_correct_loop_equals_one_process(world_size):
     ref = debug.reference()
     got = distlab.run(debug.train_data_parallel, world_size, watch=True, timeout=T)
@@ -53,21 +59,22 @@ def test_correct_loop_equals_one_process(world_size):
         assert r["out_of_sync"] == [0] * 4 and r["duplicated"] == [0] * 4
 
 
+def _three_loops(rank, world_size):
+    # One launch, three trainings: duplicated data, drifting replicas, and both fixed.
+    return (debug.train_data_parallel(rank, world_size, shard=no_sampler, watch=True),
+            debug.train_data_parallel(rank, world_size, build=rank_seeded, watch=True),
+            debug.train_data_parallel(rank, world_size, build=rank_seeded,
+                                      sync=debug.broadcast_parameters, shard=strided, watch=True))
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_detectors_tell_the_bugs_apart(world_size):
     ref = debug.reference()
-    dup = distlab.run(debug.train_data_parallel, world_size, shard=no_sampler, watch=True,
-                      timeout=T)
+    dup, drift, fixed = zip(*distlab.run(_three_loops, world_size, timeout=T))
     assert all(r["duplicated"] == [12 // world_size] * 4 for r in dup)
     assert all(r["out_of_sync"] == [0] * 4 for r in dup)
     assert _max_diff(dup[0]["params"], ref["params"]) > 1e-4
-
-    drift = distlab.run(debug.train_data_parallel, world_size, build=rank_seeded, watch=True,
-                        timeout=T)
     assert all(r["out_of_sync"] == [4] * 4 and r["duplicated"] == [0] * 4 for r in drift)
-
-    fixed = distlab.run(debug.train_data_parallel, world_size, build=rank_seeded,
-                        sync=debug.broadcast_parameters, shard=strided, watch=True, timeout=T)
     for r in fixed:
         assert r["out_of_sync"] == [0] * 4 and r["duplicated"] == [0] * 4
         assert _max_diff(r["params"], ref["params"]) < 1e-12
@@ -80,13 +87,17 @@ def _first_update(rank, world_size, average):
     return [b - a for a, b in zip(after, before)]
 
 
+def _good_and_summed(rank, world_size):
+    return (_first_update(rank, world_size, debug.average_gradients),
+            _first_update(rank, world_size, summed))
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gradient_scale_names_summed_and_unreduced(world_size):
     model, _ = debug.problem()
     ref = [b - a for a, b in zip(debug.reference(steps=1)["params"], model.parameters())]
-    good = distlab.run(_first_update, world_size, debug.average_gradients, timeout=T)[0]
+    good, bad = distlab.run(_good_and_summed, world_size, timeout=T)[0]
     assert debug.gradient_scale(good, ref) == pytest.approx(1, abs=1e-10)
-    bad = distlab.run(_first_update, world_size, summed, timeout=T)[0]
     scale = debug.gradient_scale(bad, ref)
     assert scale == pytest.approx(world_size, rel=1e-10)
     assert "summed, not averaged" in debug.explain_gradient_scale(scale, world_size)
@@ -169,6 +180,49 @@ def test_profile_and_step_times_report_every_rank():
     # Whether the all-reduce makes the top 5 depends on the load; that it is measured does not.
     times = distlab.run(debug.step_times, 3, slow_rank=1, delay=0.01, steps=2, timeout=T)
     assert all(len(t["compute"]) == len(t["wait"]) == 2 for t in times)
+
+
+REAL = dict(hidden=8192, layers=2, tokens=8192)       # chapter 11's real-size step
+
+
+def _straggler_lesson(rank, world_size):
+    return (debug.step_times(rank, world_size, steps=1, real_size=REAL),
+            debug.step_times(rank, world_size, slow_rank=1, slowdown=0.10, steps=1,
+                             real_size=REAL))
+
+
+def test_ch11_straggler_numbers_are_the_emulated_runs():
+    # Every number chapter 11's straggler prose quotes, re-computed on the calibrated preset.
+    import pathlib
+    import nbformat
+    from distlab import cost, emulate
+    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "11_debugging.ipynb"
+    text = " ".join(c.source for c in nbformat.read(path, as_version=4).cells
+                    if c.cell_type == "markdown").replace("\n", " ")
+    equal, slow = zip(*distlab.run(_straggler_lesson, 8, emulate="h100-node", timeout=T))
+    compute, comm = equal[0]["compute"][0], equal[0]["wait"][0]
+    assert all(r["compute"] == [compute] and r["wait"] == [comm] for r in equal)
+    h = REAL["hidden"]
+    params = REAL["layers"] * (2 * 4 * h * h + 5 * h)
+    link = emulate.PRESETS["h100-node"].intra
+    assert comm == pytest.approx(cost.predict("ring_all_reduce", 2 * params, 8, link), rel=1e-6)
+    assert link.busbw("all_reduce") == 480e9
+    step = compute + comm
+    slow_step = slow[1]["compute"][0] + slow[1]["wait"][0]
+    extra = slow[1]["compute"][0] - compute
+    # every rank ends the step together: the healthy ones wait the straggler's extra compute
+    for r, t in enumerate(slow):
+        assert t["compute"][0] + t["wait"][0] == pytest.approx(slow_step, rel=1e-9)
+        if r != 1:
+            assert t["wait"][0] == pytest.approx(comm + extra, rel=1e-6)
+    quoted = (f"a step is {compute * 1e3:.1f} ms of compute and the {comm * 1e3:.1f} ms all-reduce",
+              f"figure for {2 * params / 1e9:.1f} GB on NVLink SHARP's achieved 480 GB/s",
+              f"its extra {extra * 1e3:.1f} ms of compute lands on **every** rank",
+              f"the step grows from {step * 1e3:.1f} to {slow_step * 1e3:.1f} ms",
+              f"the size of a {round(params / 1e9)}B-parameter model",
+              "one GPU 10 % slow costs")
+    for q in quoted:
+        assert q in text, q
 
 
 # ---- the workbook's checkers: fixes pass, broken versions fail with the right sentence -------------

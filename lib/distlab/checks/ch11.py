@@ -13,7 +13,7 @@ from ..launch import RankFailed, RunTimeout
 from . import CheckFailed, compare, forbid, passed, run_learner, sizes_phrase
 from .ch01 import learner_run
 
-WORLD_SIZES = (2, 3, 4)
+WORLD_SIZES = (2, 3)       # even and odd: what a fix must survive; 4 catches nothing 3 misses
 TIMEOUT = 60
 
 
