@@ -220,3 +220,185 @@ def test_full_checkpointing_costs_a_second_forward():
     # a model given by its preset's shape prices like the preset
     assert layout.price(layout.SHAPES["Llama-2 7B"], **kw)["step_s"] == pytest.approx(
         layout.price("Llama-2 7B", **kw)["step_s"], rel=0.01)
+
+
+# ---- chapter 10's layout section: every number its prose quotes, recomputed ---------------------
+
+def _chapter():
+    import pathlib
+    import nbformat
+    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "10_3d_parallelism.ipynb"
+    return nbformat.read(path, as_version=4).cells
+
+
+def _prose(cells):
+    return " ".join(" ".join(c.source for c in cells if c.cell_type == "markdown").split())
+
+
+def _output_of(cells, marker):
+    """The stored text output of the code cell whose source contains `marker` (nbval keeps it
+    equal to what the code prints, so checking the prose against it checks it against the code)."""
+    cell = next(c for c in cells if c.cell_type == "code" and marker in c.source)
+    return "".join(o.get("text", "") for o in cell.outputs)
+
+
+def test_layout_numbers_the_prose_quotes():
+    from distlab import hardware, layout, memory
+    cells = _chapter()
+    text = _prose(cells)
+
+    r13 = layout.rank_layouts("Llama-2 13B", nodes=4, gpus_per_node=8)
+    r70 = layout.rank_layouts("Llama-2 70B", nodes=4, gpus_per_node=8)
+    best13, best70 = r13[0], r70[0]
+    assert (best13["dp"], best13["pp"], best13["tp"]) == (32, 1, 1)
+    assert f"dp=32 × tp=1, at {best13['step_s']:.1f} s (MFU {round(100 * best13['mfu'])} %" in text
+    tp2 = next(r for r in r13 if r["tp"] == 2)
+    assert f"({tp2['tp_s']:.1f} s at tp=2)" in text
+    assert f"{sum(not r['fits'] for r in r70)} of {len(r70)} layouts need more than 80 GB" in text
+    assert (best70["dp"], best70["pp"], best70["tp"]) == (4, 8, 1)
+    assert f"dp=4 × pp=8 × tp=1 wins at {best70['step_s']:.1f} s" in text
+    tp2_70 = next(r for r in r70 if r["tp"] == 2 and r["fits"])
+    assert f"bubble ({best70['bubble_s']:.1f} s) costs less than tp=2's all-reduces " \
+           f"({tp2_70['tp_s']:.1f} s)" in text
+    assert best70["bubble_s"] < tp2_70["tp_s"]
+    for rows in (r13, r70):      # "the top rows are within a few per cent of each other"
+        assert rows[1]["step_s"] / rows[0]["step_s"] < 1.05
+
+    # recompute and SP
+    def best(model, ckpt, sp=True):
+        return layout.rank_layouts(model, nodes=4, gpus_per_node=8, checkpointing=ckpt,
+                                   sequence_parallel=sp)[0]
+    for model in ("Llama-2 13B", "Llama-2 70B"):
+        assert best(model, "selective") == best(model, "none")        # priced identically
+    n13, n70, n70_nosp = best("Llama-2 13B", "none"), best("Llama-2 70B", "none"), \
+        best("Llama-2 70B", "none", sp=False)
+    assert f"13B's step drops from {best13['step_s']:.1f} s to {n13['step_s']:.1f} s " \
+           f"(dp={n13['dp']} × pp={n13['pp']})" in text and n13["tp"] == 1
+    assert f"70B's from {best70['step_s']:.1f} s to {n70['step_s']:.1f} s — 70B only with " \
+           f"tp={n70['tp']} and SP (dp={n70['dp']} × pp={n70['pp']} × tp={n70['tp']})" in text
+    assert f"({n70_nosp['step_s']:.1f} s, dp={n70_nosp['dp']} × pp={n70_nosp['pp']} × " \
+           f"tp={n70_nosp['tp']})" in text and n70_nosp["step_s"] > n70["step_s"]
+    no_sp = memory.activation_bytes(4096, 1, 5120, 40, 40, tp=2)
+    with_sp = memory.activation_bytes(4096, 1, 5120, 40, 40, tp=2, sequence_parallel=True)
+    assert f"{no_sp / 1e9:.1f} GB of activations without SP" in text
+    assert f"and {with_sp / 1e9:.1f} GB with it" in text
+
+    # the emulated full-size runs beside the planner: the band the prose states
+    out = _output_of(cells, "def full_size_step")
+    ratios = [float(line.split()[-1]) for line in out.splitlines()
+              if line.strip()[:3] in ("13B", "70B")]
+    assert len(ratios) >= 3 and all(abs(x - 1) <= 0.05 for x in ratios), ratios
+    assert "the ratios sit within 5 % of 1" in text and "within 5 %" in text
+    assert "share their formulas" in text and "(measured)" not in text
+
+    # Megatron-LM's 76.1B (Narayanan et al. 2021, Table 1)
+    megatron = hardware.Transformer(60, 10240, 80, 4 * 10240, 51200)
+    then = dict(checkpointing="full", sequence_parallel=False, attention="materialized",
+                overlap_dp=False, dropout=True, cluster="a100-cluster", seq_len=2048)
+    rows = layout.rank_layouts(megatron, nodes=128, gpus_per_node=8, global_batch=1792, **then)
+    flops = layout.model_flops(megatron, 2048, 1792 * 2048, recompute="full", causal=False)
+    pub = next(r for r in rows if (r["tp"], r["pp"]) == (8, 4))
+    tf_pub, tf_best = (flops / r["step_s"] / 1024 / 1e12 for r in (pub, rows[0]))
+    assert f"planner {tf_pub:.0f} TFLOP/s per GPU against 140 measured, {tf_pub / 140:.2f}" in text
+    assert abs(tf_pub / 140 - 1) < 0.10 and "within 10 %" in text
+    b = rows[0]
+    assert f"(dp={b['dp']} × pp={b['pp']} × tp={b['tp']}, {tf_best:.0f} TFLOP/s) beats it by " \
+           f"{round(100 * (tf_best / tf_pub - 1))} %" in text
+    # "Megatron-LM fixed tp at the node's 8 GPUs for every model of Table 1 from 18B up"
+    import csv
+    import pathlib
+    table = pathlib.Path(__file__).resolve().parent.parent / "bench" / "published.csv"
+    megatron_rows = [r for r in csv.DictReader(open(table)) if r["case"].startswith("Megatron-LM")]
+    for r in megatron_rows:
+        size = float(r["case"].split()[1].rstrip("B"))
+        assert (" tp=8 " in r["config"]) == (size >= 18), r["case"]
+    assert any("76.1B" in r["case"] and r["value"] == "140" and r["use"] == "validation"
+               for r in megatron_rows)
+
+
+# ---- exercise 4: choose_layout -------------------------------------------------------------------
+
+def choose_layout(model, nodes, gpus_per_node, global_batch):
+    from distlab import layout
+    shape, _ = layout.shape_of(model)
+    n = nodes * gpus_per_node
+    best = None
+    for tp in range(1, gpus_per_node + 1):
+        for pp in range(1, shape.layers + 1):
+            if n % (tp * pp) or gpus_per_node % tp or shape.heads % tp or shape.layers % pp:
+                continue
+            dp = n // (tp * pp)
+            if global_batch % dp:
+                continue
+            r = layout.price(model, dp, pp, tp, gpus_per_node, global_batch)
+            if r["fits"] and (best is None or r["step_s"] < best[0]):
+                best = (r["step_s"], (dp, pp, tp))
+    return best[1]
+
+
+def choose_layout_by_product(model, nodes, gpus_per_node, global_batch):
+    # Differently written: every factorisation by itertools, priced, then one min() over a list.
+    import itertools
+    from distlab import layout
+    heads, layers = layout.SHAPES[model].heads, layout.SHAPES[model].layers
+    n = nodes * gpus_per_node
+    ok = [(d, p, t) for d, p, t in itertools.product(range(1, n + 1), repeat=3)
+          if d * p * t == n and gpus_per_node % t == 0 and heads % t == 0
+          and layers % p == 0 and global_batch % d == 0]
+    priced = [(layout.price(model, *c, gpus_per_node=gpus_per_node, global_batch=global_batch), c)
+              for c in ok]
+    return min((r["step_s"], c) for r, c in priced if r["fits"])[1]
+
+
+def choose_layout_fastest(model, nodes, gpus_per_node, global_batch):
+    # Wrong: the fastest layout, whether or not it fits in memory.
+    import itertools
+    from distlab import layout
+    shape = layout.SHAPES[model]
+    n = nodes * gpus_per_node
+    ok = [(d, p, t) for d, p, t in itertools.product(range(1, n + 1), repeat=3)
+          if d * p * t == n and gpus_per_node % t == 0 and shape.heads % t == 0
+          and shape.layers % p == 0 and global_batch % d == 0]
+    return min(ok, key=lambda c: layout.price(model, *c, gpus_per_node=gpus_per_node,
+                                              global_batch=global_batch)["step_s"])
+
+
+def choose_layout_any_batch(model, nodes, gpus_per_node, global_batch):
+    # Wrong: every constraint but the batch's.
+    import itertools
+    from distlab import layout
+    shape = layout.SHAPES[model]
+    n = nodes * gpus_per_node
+    ok = [(d, p, t) for d, p, t in itertools.product(range(1, n + 1), repeat=3)
+          if d * p * t == n and gpus_per_node % t == 0 and shape.heads % t == 0
+          and shape.layers % p == 0]
+    priced = [(layout.price(model, *c, gpus_per_node=gpus_per_node, global_batch=global_batch), c)
+              for c in ok]
+    return min((r["step_s"], c) for r, c in priced if r["fits"])[1]
+
+
+def test_choose_layout_passes_two_ways(capsys):
+    ch10.check_choose_layout(choose_layout)
+    ch10.check_choose_layout(choose_layout_by_product)
+    assert capsys.readouterr().out.count("✅") == 2
+
+
+def test_choose_layout_refuses_wrong_answers_and_the_planners_ranking():
+    with pytest.raises(CheckFailed, match=r"Llama-2 70B on 4 nodes × 8 GPUs .*needs \d+ GB per "
+                                          r"GPU at its peak, more than a GPU's 80 GB"):
+        ch10.check_choose_layout(choose_layout_fastest)
+    # the batch forgotten: 16 replicas cannot share a batch of 24
+    with pytest.raises(CheckFailed, match=r"Llama-2 7B .*dp=16 does not split a global batch "
+                                          r"of 24"):
+        ch10.check_choose_layout(choose_layout_any_batch)
+    with pytest.raises(CheckFailed, match=r"tp=16 does not divide a node's 8 GPUs"):
+        ch10.check_choose_layout(lambda model, nodes, g, b: (2, 1, 16))
+    with pytest.raises(CheckFailed, match=r"course's own best; the exercise is to enumerate"):
+        ch10.check_choose_layout(lambda model, nodes, g, b: tuple(
+            distlab_layout().best(model, nodes=nodes, gpus_per_node=g, global_batch=b)[k]
+            for k in ("dp", "pp", "tp")))
+
+
+def distlab_layout():
+    from distlab import layout
+    return layout
