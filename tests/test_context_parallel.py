@@ -1,4 +1,7 @@
 """Ring attention and all-gather-K/V attention equal dense attention, forward and backward."""
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -55,12 +58,13 @@ def test_ring_attention_only_talks_to_its_neighbours(world_size):
     t = distlab.run(_ring_trace, world_size, trace=True).trace
     for rank in range(world_size):
         assert {peer for peer, _ in t.sends(rank)} == {(rank + 1) % world_size}
-        # K/V move only as messages to the neighbour; one all-gather of the block lengths (one
-        # integer per rank) sizes the receive buffers, since blocks may differ in length
+        # K/V move only as messages to the neighbour; two all-gathers (block lengths, then
+        # positions) tell every rank which tokens each block holds: its receive buffers' sizes
+        # and which pieces a causal mask skips
         assert sorted(set(t.ops(rank))) == ["all_gather", "recv", "send"]
-        assert t.ops(rank).count("all_gather") == 1
-        # forward: 3 tensors x (N-1) hops; backward: 5 x (N-1) hops + 2 to bring dK, dV home
-        assert len(t.sends(rank)) == 3 * (world_size - 1) + 5 * (world_size - 1) + 2
+        assert t.ops(rank).count("all_gather") == 2
+        # forward: K, V x (N-1) hops; backward: K, V x (N-1) hops + dK, dV x N hops (home)
+        assert len(t.sends(rank)) == 2 * (world_size - 1) + 2 * (world_size - 1) + 2 * world_size
 
 
 def test_zigzag_balances_causal_work_and_contiguous_does_not():
@@ -111,3 +115,160 @@ def test_blocks_of_unequal_length_equal_dense_attention(kind, world_size, seq_le
         for name, g, e in zip(("output", "dq", "dk", "dv"), got, expected):
             torch.testing.assert_close(g, e[:, :, positions], rtol=1e-12, atol=1e-12,
                                        msg=lambda m: f"{name}: {m}")
+
+
+# ---- which pieces a causal mask lets through, and what they cost --------------------------------
+
+def test_a_block_plan_skips_what_the_mask_hides_and_halves_the_diagonal():
+    own = cp.zigzag_positions(16, 1, 4)                    # chunks 1 and 6 of 8
+    assert cp.block_plan(own, own, causal=True) == [((0, 4), [((0, 4), cp.DIAGONAL)])]
+    earlier = cp.zigzag_positions(16, 0, 4)                # chunks 0 and 7: 0 seen by both
+    assert cp.block_plan(own, earlier, causal=True) == [((0, 4), [((0, 2), cp.FULL)])]
+    later = cp.zigzag_positions(16, 2, 4)                  # chunks 2 and 5: only chunk 6 sees them
+    assert cp.block_plan(own, later, causal=True) == [((2, 4), [((0, 4), cp.FULL)])]
+    assert cp.block_plan(cp.contiguous_positions(16, 0, 4), cp.contiguous_positions(16, 3, 4),
+                         causal=True) == []
+    assert cp.block_plan(own, later, causal=False) == [((0, 4), [((0, 4), cp.FULL)])]
+
+
+def test_zigzag_work_is_half_a_block_at_every_step_and_contiguous_is_not():
+    """The notebook's table: fractions of a block's pairs per ring step, 16 tokens on 4 ranks."""
+    def steps(place, rank):
+        held = [place(16, r, 4) for r in range(4)]
+        return [cp.plan_work(cp.block_plan(held[rank], held[(rank - s) % 4], True)) / 16
+                for s in range(4)]
+    assert all(steps(cp.zigzag_positions, r) == [0.5] * 4 for r in range(4))
+    assert steps(cp.contiguous_positions, 0) == [0.5, 0, 0, 0]
+    assert sum(steps(cp.contiguous_positions, 3)) == 3.5
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_explicit_mask_path_a_gpu_takes_equals_the_cpu_flash_kernel(causal, monkeypatch):
+    q, k, v = _inputs(8)
+    q_pos = torch.tensor([0, 1, 6, 7])
+    k_pos = torch.tensor([2, 3, 4, 5, 6, 7, 0, 1])
+    flash = cp.block_attention(q[:, :, :4], k, v, q_pos, k_pos, causal, 0.5)
+    monkeypatch.setattr(cp, "_cpu_kernel", lambda q: False)
+    masked = cp.block_attention(q[:, :, :4], k, v, q_pos, k_pos, causal, 0.5)
+    for a, b in zip(flash, masked):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+
+
+def test_meta_positions_are_refused_in_a_sentence():
+    with pytest.raises(ValueError, match="positions must be real integers"):
+        cp.block_plan(torch.arange(4, device="meta"), torch.arange(4), True)
+
+
+# ---- chapter 12's headline numbers, recomputed (stale prose fails) --------------------------------
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "12_context_parallelism.ipynb"
+
+
+def _says(text):
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    prose = " ".join(" ".join("".join(c["source"]) for c in cells
+                              if c["cell_type"] == "markdown").split())
+    assert text in prose, f"chapter 12's prose no longer says {text!r}: recompute and fix it"
+
+
+def test_the_overlap_condition_the_chapter_quotes():
+    from distlab import emulate, hardware
+    _says(f"about {cp.overlap_condition(989e12, 50e9):,.0f} tokens over InfiniBand and "
+          f"{cp.overlap_condition(989e12, 450e9):,.0f} over NVLink")
+    assert cp.overlap_condition(989e12, 50e9, causal=True) == 2 * cp.overlap_condition(989e12, 50e9)
+    # grouped-query attention: K/V 4x smaller than Q, blocks 4x shorter suffice
+    assert cp.overlap_condition(989e12, 50e9, heads=32, kv_heads=8) == 19_780 / 4
+    ib, node = emulate.PRESETS["h100-ib"], emulate.PRESETS["h100-node"]
+    at_ib = cp.overlap_block_length(ib.device, ib.link_between(range(4)))
+    at_node = cp.overlap_block_length(node.device, node.link_between(range(4)))
+    _says(f"the crossover sits at {at_ib:,} tokens per rank on the calibrated model")
+    _says(f"the hop hides from {at_node:,} tokens per rank on")
+    nic = hardware.IB_NDR.bandwidth
+    _says(f"would move it to {cp.overlap_condition(740e12, nic, causal=True):,.0f}, the datasheet "
+          f"peak's to {cp.overlap_condition(989e12, nic, causal=True):,.0f}")
+    # the closed form's crossover and the bisection on the calibrated step agree (latency apart)
+    rate = ib.device.peak(torch.bfloat16) * ib.device.gemm_efficiency(32_768, 32_768, 128, batch=32)
+    assert 1.0 <= at_ib / cp.overlap_condition(rate, nic, causal=True) < 1.02
+
+
+def _attention_seconds(rank, world_size, configs):
+    import torch.distributed as dist
+    times = []
+    for seq_len, layout, backward in configs:
+        place = cp.zigzag_positions if layout == "zig-zag" else cp.contiguous_positions
+        positions = place(seq_len, rank, world_size)
+        with torch.device("meta"):
+            q, k, v = [torch.empty(1, 32, len(positions), 128, dtype=torch.bfloat16,
+                                   requires_grad=backward) for _ in range(3)]
+        dist.barrier()
+        start = distlab.trace.now()
+        out = cp.ring_attention(q, k, v, positions, causal=True)
+        forward = distlab.trace.now()
+        if backward:
+            out.backward(torch.ones_like(out))
+        times.append((start, forward, distlab.trace.now()))
+    return times
+
+
+def test_the_emulated_ring_exposure_and_zigzag_balance_the_chapter_quotes():
+    """One full-size run on meta tensors (h100-ib), as the chapter's: exposed share of the ring's
+    forward below and above the crossover, and contiguous vs zig-zag in time."""
+    sweep = [(s, "zig-zag", False) for s in (4_096, 16_384, 32_768, 65_536)]
+    balance = [(131_072, layout, True) for layout in ("zig-zag", "contiguous")]
+    run = distlab.run(_attention_seconds, 4, sweep + balance, emulate="h100-ib", timeout=120)
+
+    def busy(rank, a, b):
+        return sum(max(0.0, min(s["end"], b) - max(s["start"], a)) for s in run.trace.compute(rank))
+    exposed = []
+    for i in range(len(sweep)):
+        total = max(t[i][1] - t[i][0] for t in run)
+        kernels = max(busy(r, t[i][0], t[i][1]) for r, t in enumerate(run))
+        exposed.append(f"{(total - kernels) / total:.0%}".replace("%", " %"))
+    _says(f"about half of its time is the hop ({exposed[0]}, {exposed[1]}), at 8,192 still "
+          f"{exposed[2]}")
+    _says(f"(16,384 tokens per rank: {exposed[3]})")
+    zigzag, contiguous = [[t[i][2] - t[i][0] for t in run] for i in (4, 5)]
+    assert max(zigzag) / min(zigzag) < 1.001                     # balanced in time
+    _says(f"{max(contiguous) / max(zigzag):.2f} times zig-zag's")
+
+
+def test_activations_follow_korthikanti():
+    s, h, L = 2048, 4096, 2
+    sbh = s * h
+    assert cp.activation_bytes(s, h, L, tp=4) == L * 34 * sbh / 4
+    assert cp.activation_bytes(s, h, L, tp=4, sp=False) == L * sbh * (10 + 24 / 4)
+    assert cp.activation_bytes(s, h, L, tp=4, recompute="selective") == L * 34 * sbh / 4
+    assert cp.activation_bytes(s, h, L, tp=4, recompute="full") == L * 2 * sbh / 4
+    assert cp.activation_bytes(s, h, L, tp=4, sp=False, recompute="full") == L * 2 * sbh
+    assert cp.activation_bytes(s, h, L, tp=4, cp=2) == cp.activation_bytes(s // 2, h, L, tp=4)
+    with pytest.raises(ValueError, match="recompute must be"):
+        cp.activation_bytes(s, h, L, recompute="some")
+
+
+def test_context_parallel_against_recompute_as_the_chapter_quotes():
+    from distlab import hardware
+    model = hardware.Transformer(32, 4096, 32, 11008, 32000, glu=True)
+    options = [dict(dp=4, cp=1, tp=8, recompute="none"),
+               dict(dp=4, cp=1, tp=8, recompute="selective"),
+               dict(dp=4, cp=1, tp=8, sp=False, recompute="full"),
+               dict(dp=4, cp=1, tp=8, recompute="full"),
+               dict(dp=2, cp=2, tp=8, recompute="none"),
+               dict(dp=2, cp=2, tp=8, recompute="full"),
+               dict(dp=1, cp=4, tp=8, recompute="none")]
+    none, selective, no_sp, full, cp2, cp2_full, cp4 = cp.long_context_layouts(
+        model, hardware.PRESETS["h100-cluster"], 262_144, 4, options)
+    assert [r["fits"] for r in (none, selective, no_sp, full, cp2, cp2_full, cp4)] == \
+        [False, False, False, True, False, True, True]
+    assert selective["peak"] == none["peak"] and selective["step"] == none["step"]
+    _says(f"no recompute, tp = 8 with SP: {none['peak'] / 1e9:.0f} GB per GPU")
+    _says(f"each layer's whole input: {no_sp['peak'] / 1e9:.0f} GB) — {full['peak'] / 1e9:.1f} GB "
+          f"per GPU, but every step runs the forward again: {full['step']:.1f} s")
+    _says(f"cp = 4 without recompute fits at {cp4['peak'] / 1e9:.1f} GB and takes "
+          f"{cp4['step']:.1f} s, {full['step'] / cp4['step']:.2f} times faster: the ring's "
+          f"{cp4['block']:,}-token blocks hide their hops")
+    assert cp4["ring_hidden"] and 80 < cp2["peak"] / 1e9 < 81.5
+    _says("cp = 2 misses 80 GB by a gigabyte")
+    # attention FLOPs at this length: causal 2·s·h per token and layer forward, against 2·N
+    ratio = 2 * 262_144 * model.hidden * model.layers / (2 * model.params())
+    assert round(ratio) == 5
+    _says("about five times the dense FLOPs")

@@ -66,17 +66,145 @@ def causal_work(positions_per_rank):
 def _scores(q, k, q_pos, k_pos, causal, scale):
     s = (q @ k.transpose(-2, -1)) * scale
     if causal:
-        s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        mask = (k_pos[None, :] > q_pos[:, None]).to(s.device)
+        s = s.masked_fill(mask, float("-inf"))
     return s
 
 
-def block_attention(q, k, v, q_pos, k_pos, causal, scale):
-    """Attention of q against one K/V block: (output, log-sum-exp per query). Rows with every
-    key masked give output 0 and log-sum-exp −inf, which merge() treats as 'nothing here'."""
+def _runs(positions):
+    """The block's runs of consecutive positions, as (first token, end token, first position):
+    a contiguous block is one run, a zig-zag block two. Worked out on the host (numpy), once per
+    call: a real implementation knows its layout and launches no kernel for this."""
+    if positions.device.type == "meta":
+        raise ValueError("positions must be real integers even when q, k and v are meta "
+                         "tensors: the mask (which blocks to compute, skip or halve) is built "
+                         "from them.")
+    p = positions.detach().cpu().numpy().astype("int64")
+    runs, start = [], 0
+    for i in range(1, len(p) + 1):
+        if i == len(p) or p[i] != p[i - 1] + 1:
+            runs.append((start, i, int(p[start])))
+            start = i
+    return tuple(runs)
+
+
+# What a (query run, key run) pair needs under a causal mask, from positions alone:
+FULL, SKIP, DIAGONAL, PARTIAL = "full", "skip", "diagonal", "partial"
+
+
+def _pair(qrun, krun, causal):
+    """FULL: every key precedes every query; SKIP: every key follows every query (fully masked,
+    nothing to compute); DIAGONAL: the same tokens on both sides (a square causal block: half
+    the work); PARTIAL: anything else (an explicit mask)."""
+    if not causal:
+        return FULL
+    (qa, qb, qf), (ka, kb, kf) = qrun, krun
+    q_last, k_last = qf + qb - qa - 1, kf + kb - ka - 1
+    if k_last <= qf:
+        return FULL
+    if kf > q_last:
+        return SKIP
+    if kf == qf and kb - ka == qb - qa:
+        return DIAGONAL
+    return PARTIAL
+
+
+def block_plan(q_pos, k_pos, causal):
+    """What attention of a block of queries over a block of keys computes: a list of
+    (query rows, [(key columns, kind), ...]) with kind FULL or DIAGONAL (flash kernels, causal
+    when DIAGONAL) or PARTIAL (a masked kernel); fully masked pairs are left out, and query rows
+    that see no key of the block are not listed. Adjacent query runs that see the same keys
+    share one kernel, and so do adjacent key runs they see in full."""
+    qruns, kruns = _runs(q_pos), _runs(k_pos)
+    if causal and qruns and qruns == kruns and all(a[2] < b[2] for a, b in zip(qruns, qruns[1:])):
+        # A block against itself, positions increasing: key j is visible to query i exactly when
+        # j ≤ i, one causal kernel (a zig-zag block's two chunks in one, its work c²/2 as theirs)
+        n = qruns[-1][1]
+        return [((0, n), [((0, n), DIAGONAL)])]
+    rows = []
+    for qrun in qruns:
+        kinds = tuple(_pair(qrun, krun, causal) for krun in kruns)
+        if rows and rows[-1][1] == kinds and DIAGONAL not in kinds and PARTIAL not in kinds:
+            rows[-1][0][1] = qrun[1]                     # extend the previous row group
+        else:
+            rows.append(([qrun[0], qrun[1]], kinds))
+    plan = []
+    for (qa, qb), kinds in rows:
+        pieces = []
+        for (ka, kb, _), kind in zip(kruns, kinds):
+            if kind == SKIP:
+                continue
+            if kind == FULL and pieces and pieces[-1][1] == FULL and pieces[-1][0][1] == ka:
+                pieces[-1] = ((pieces[-1][0][0], kb), FULL)
+            else:
+                pieces.append(((ka, kb), kind))
+        if pieces:
+            plan.append(((qa, qb), pieces))
+    return plan
+
+
+def _rows(x, span):
+    a, b = span
+    return x[..., a:b, :] if x.dim() == 4 else x[..., a:b]
+
+
+def _flash(q, k, v, causal, scale):
+    """One flash-attention kernel (the CPU's fused kernel, charged as the GPU's under emulation:
+    its FLOPs, half when causal, and no s×s scores in memory): (output, log-sum-exp)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale)
+    return out, lse
+
+
+def _masked(q, k, v, q_pos, k_pos, scale, causal=True):
+    """Attention with materialised scores, masked by positions when `causal`."""
     s = _scores(q, k, q_pos, k_pos, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
     return p @ v, lse
+
+
+def _cpu_kernel(q):
+    """Whether torch's CPU flash kernel takes these tensors (CPU, or meta under emulation). On
+    a GPU the pieces run the explicit-mask path instead: correct for every kind of piece."""
+    return q.device.type in ("cpu", "meta")
+
+
+def _piece(q, k, v, q_pos, k_pos, rows, cols, kind, scale):
+    qs, ks, vs = _rows(q, rows), _rows(k, cols), _rows(v, cols)
+    if kind == PARTIAL or not _cpu_kernel(q):
+        return _masked(qs, ks, vs, q_pos[rows[0]:rows[1]].double(),
+                       k_pos[cols[0]:cols[1]].double(), scale, causal=kind != FULL)
+    return _flash(qs, ks, vs, kind == DIAGONAL, scale)
+
+
+def _attend_plan(q, k, v, q_pos, k_pos, plan, scale):
+    """[(query rows, output, lse)] of the rows the plan touches, each merged over its pieces."""
+    done = []
+    for rows, pieces in plan:
+        out = lse = None
+        for cols, kind in pieces:
+            o, l = _piece(q, k, v, q_pos, k_pos, rows, cols, kind, scale)
+            out, lse = (o, l) if out is None else merge(out, lse, o, l)
+        done.append((rows, out, lse))
+    return done
+
+
+def block_attention(q, k, v, q_pos, k_pos, causal, scale):
+    """Attention of q against one K/V block: (output, log-sum-exp per query). Rows with every
+    key masked give output 0 and log-sum-exp −inf, which merge() treats as 'nothing here'.
+    Under a causal mask the block is cut by positions (`block_plan`): key runs entirely after
+    a query run are skipped, a run against itself costs half (a causal flash kernel)."""
+    plan = block_plan(q_pos, k_pos, causal)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=_lse_dtype(q), device=q.device)
+    if len(plan) == 1 and plan[0][0] == (0, q.shape[-2]):
+        (_, o, l), = _attend_plan(q, k, v, q_pos, k_pos, plan, scale)
+        return o, l
+    for rows, o, l in _attend_plan(q, k, v, q_pos, k_pos, plan, scale):
+        _rows(out, rows).copy_(o)
+        _rows(lse, rows).copy_(l)
+    return out, lse
 
 
 def merge(out_a, lse_a, out_b, lse_b):
@@ -95,7 +223,7 @@ def _block_lengths(q, group):
     """Every rank's number of tokens (collective). Blocks may differ (7 tokens on 3 ranks:
     3, 2, 2), and a receive buffer must be the size of the block that arrives, not of this
     rank's own: gloo aborts the process on a mismatch, NCCL would hang or return garbage."""
-    mine = torch.tensor([q.shape[-2]], device=q.device)
+    mine = torch.tensor([q.shape[-2 if q.dim() > 1 else 0]])
     lengths = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(lengths, mine, group=group)
     return [int(t) for t in lengths]
@@ -116,6 +244,12 @@ def _shift(tensors, group, length=None):
     left = dist.get_global_rank(group, (r - 1) % n) if group is not None else (r - 1) % n
     received = [torch.empty(t.shape if length is None else _with_length(t, length),
                             dtype=t.dtype, device=t.device) for t in tensors]
+    if any(t.device.type == "meta" for t in tensors):
+        # Full-size emulation: the emulator charges each message and moves nothing, and torch's
+        # batch_isend_irecv looks for a backend of the meta device (there is none); posting them
+        # one by one is the same pair of transfers on the emulated links.
+        return received, ([dist.isend(t, right, group) for t in tensors]
+                          + [dist.irecv(b, left, group) for b in received])
     ops = [dist.P2POp(dist.isend, t.contiguous(), right, group) for t in tensors] + \
           [dist.P2POp(dist.irecv, b, left, group) for b in received]
     return received, dist.batch_isend_irecv(ops)
@@ -126,71 +260,137 @@ def _wait(handles):
         h.wait()
 
 
+def _grads(q, k, v, q_pos, k_pos, out, lse, grad_out, rows, cols, kind, scale):
+    """Gradients of one plan piece, from the FINAL output and log-sum-exp of these queries
+    (FlashAttention-2's backward: P = exp(S − lse), delta = rowsum(dO ∘ O)): (dq of the rows,
+    dk and dv of the columns)."""
+    qs, ks, vs = _rows(q, rows), _rows(k, cols), _rows(v, cols)
+    go, o, l = _rows(grad_out, rows), _rows(out, rows), _rows(lse, rows)
+    if kind != PARTIAL and _cpu_kernel(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            go, qs, ks, vs, o, l, 0.0, kind == DIAGONAL, scale=scale)
+    s = _scores(qs, ks, q_pos[rows[0]:rows[1]].double(), k_pos[cols[0]:cols[1]].double(),
+                kind != FULL, scale)
+    p = torch.exp(s - torch.where(torch.isinf(l), 0.0, l).unsqueeze(-1))
+    ds = p * (go @ vs.transpose(-2, -1) - (go * o).sum(-1, keepdim=True))
+    return (ds @ ks) * scale, (ds.transpose(-2, -1) @ qs) * scale, p.transpose(-2, -1) @ go
+
+
+def _add_rows(acc, span, x):
+    """acc[rows] += x (the whole of acc when the rows are all of it)."""
+    if span == (0, acc.shape[-2]):
+        return acc.add_(x)
+    _rows(acc, span).add_(x)
+    return acc
+
+
 class RingAttention(torch.autograd.Function):
     """Forward: N steps, each attending to the K/V block in hand while the next one travels.
     Backward: the same ring again; dK and dV ride along with their block and arrive home last.
 
-    At step s rank r holds the block of rank r−s (mod N), and receives that of rank r−s−1:
-    `lengths` (every rank's block length) sizes each receive for the block that arrives."""
+    At step s rank r holds the block of rank r−s (mod N), and receives that of rank r−s−1.
+    `positions` (every rank's, gathered once) say which pieces of each block a causal mask
+    lets through (`block_plan`): fully masked pieces are skipped, diagonal ones cost half, so
+    the work of a step is what the layout gives it — with zig-zag, the same on every rank."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, causal, group, lengths):
+    def forward(ctx, q, k, v, positions, causal, group):
         n, r = dist.get_world_size(group), dist.get_rank(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
-        blocks = (k, v, k_pos.to(q.device, torch.float64))
+        lengths = [len(p) for p in positions]
+        out = lse = None
+        blocks = (k, v)
         for step in range(n):
-            arriving = lengths[(r - step - 1) % n]
-            pending = _shift(blocks, group, arriving) if step < n - 1 else None   # next block travels
-            bk, bv, bpos = blocks
-            block_out, block_lse = block_attention(q, bk, bv, q_pos, bpos, causal, scale)
-            out, lse = merge(out, lse, block_out, block_lse)
+            owner = (r - step) % n
+            pending = (_shift(blocks, group, lengths[(owner - 1) % n]) if step < n - 1
+                       else None)                                   # the next block travels
+            plan = block_plan(positions[r], positions[owner], causal)
+            for rows, o, l in _attend_plan(q, *blocks, positions[r], positions[owner], plan,
+                                           scale):
+                if rows == (0, q.shape[-2]):
+                    out, lse = (o, l) if out is None else merge(out, lse, o, l)
+                else:
+                    if out is None:
+                        out = torch.zeros_like(q)
+                        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_lse_dtype(q),
+                                         device=q.device)
+                    merged, merged_lse = merge(_rows(out, rows), _rows(lse, rows), o, l)
+                    _rows(out, rows).copy_(merged)
+                    _rows(lse, rows).copy_(merged_lse)
             if pending is not None:
                 blocks, handles = pending
                 _wait(handles)
-        ctx.save_for_backward(q, k, v, q_pos, k_pos, out, lse)
-        ctx.causal, ctx.group, ctx.scale, ctx.lengths = causal, group, scale, lengths
+        if out is None:                            # no token on this rank
+            out = torch.zeros_like(q)
+            lse = torch.full(q.shape[:-1], float("-inf"), dtype=_lse_dtype(q), device=q.device)
+        # merging in the log-sum-exp's float32 (16-bit inputs) promotes the running output to
+        # it, as real ring kernels accumulate; the result is returned in the inputs' dtype
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.group, ctx.scale, ctx.positions = causal, group, scale, positions
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, q_pos, k_pos, out, lse = ctx.saved_tensors
-        group, causal, scale, lengths = ctx.group, ctx.causal, ctx.scale, ctx.lengths
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale, positions = ctx.group, ctx.causal, ctx.scale, ctx.positions
         n, r = dist.get_world_size(group), dist.get_rank(group)
-        delta = (grad_out * out).sum(-1, keepdim=True)          # rowsum(dO ∘ O)
-        safe_lse = torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1)
+        lengths = [len(p) for p in positions]
+        grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q)
-        blocks = (k, v, k_pos.to(q.device, torch.float64), torch.zeros_like(k),
-                  torch.zeros_like(v))
+        blocks, arriving_grads = (k, v), None
         for step in range(n):
-            bk, bv, bpos, dk, dv = blocks
-            arriving = lengths[(r - step - 1) % n]      # K, V and their gradients alike
-            # K, V and positions do not change: they leave for the next rank right away, and
-            # travel while this rank computes; their gradients follow once computed.
-            ahead = _shift((bk, bv, bpos), group, arriving) if step < n - 1 else None
-            p = torch.exp(_scores(q, bk, q_pos, bpos, causal, scale) - safe_lse)
-            dv = dv + p.transpose(-2, -1) @ grad_out
-            ds = p * (grad_out @ bv.transpose(-2, -1) - delta)
-            dq = dq + (ds @ bk) * scale
-            dk = dk + (ds.transpose(-2, -1) @ q) * scale
-            # After N hops a block's gradients are back with the rank that owns it.
-            if n > 1:
-                (dk, dv), handles = _shift((dk, dv), group, arriving)
+            owner = (r - step) % n
+            arriving = lengths[(owner - 1) % n]       # K, V and their gradients alike
+            # K and V do not change: they leave for the next rank right away and travel while
+            # this rank computes.
+            ahead = _shift(blocks, group, arriving) if step < n - 1 else None
+            dk, dv = torch.zeros_like(blocks[0]), torch.zeros_like(blocks[1])
+            plan = block_plan(positions[r], positions[owner], causal)
+            for rows, pieces in plan:
+                for cols, kind in pieces:
+                    gq, gk, gv = _grads(q, *blocks, positions[r], positions[owner], out, lse,
+                                        grad_out, rows, cols, kind, scale)
+                    dq = _add_rows(dq, rows, gq)
+                    dk, dv = _add_rows(dk, cols, gk), _add_rows(dv, cols, gv)
+            # The block's gradient so far comes from the left neighbour, sent at its previous
+            # step while this step's kernels ran; add this rank's share and pass it on, to be
+            # waited for one step later (after N hops it is back with its owner).
+            if arriving_grads is not None:
+                (dk_in, dv_in), handles = arriving_grads
                 _wait(handles)
+                dk, dv = dk.add_(dk_in), dv.add_(dv_in)
+            arriving_grads = _shift((dk, dv), group, arriving) if n > 1 else ((dk, dv), [])
             if ahead is not None:
-                (bk, bv, bpos), handles = ahead
+                blocks, handles = ahead
                 _wait(handles)
-            blocks = (bk, bv, bpos, dk, dv)
-        return dq, blocks[3], blocks[4], None, None, None, None, None
+        (dk, dv), handles = arriving_grads
+        _wait(handles)
+        return dq, dk, dv, None, None, None
+
+
+def _lse_dtype(q):
+    """Flash kernels keep the log-sum-exp in float32 for 16-bit inputs."""
+    return torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+
+
+def _all_positions(positions, group):
+    """Every rank's positions (collective: one all-gather of the block lengths, one of the
+    positions). Blocks may differ (7 tokens on 3 ranks: 3, 2, 2), and a receive buffer must be
+    the size of the block that arrives, not of this rank's own: gloo aborts the process on a
+    mismatch, NCCL would hang or return garbage. Real implementations know their layout and
+    skip this; here it keeps the functions correct for any positions."""
+    lengths = _block_lengths(positions, group)
+    gathered = _gather_tokens(positions.to(torch.int64), lengths, group)
+    return list(gathered.split(lengths))
 
 
 def ring_attention(q, k, v, positions, causal=False, group=None):
     """Attention of this rank's queries over the whole sequence, K/V passed around the ring.
-    The ranks' blocks may hold different numbers of tokens."""
+    The ranks' blocks may hold different numbers of tokens. q, k and v may be meta tensors
+    (full-size emulation); positions are real integers."""
     _check_block(q, k, v, positions)
-    return RingAttention.apply(q, k, v, positions.to(torch.float64), positions, causal, group,
-                               _block_lengths(q, group))
+    return RingAttention.apply(q, k, v, _all_positions(positions, group), causal, group)
 
 
 # ---- all-gather K/V --------------------------------------------------------------------------------
@@ -231,16 +431,40 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def all_gather_attention(q, k, v, positions, causal=False, group=None):
-    """Gather every rank's K/V (and positions), then attend locally. The ranks' blocks may hold
-    different numbers of tokens."""
+    """Gather every rank's K/V (and positions), then attend locally, skipping what a causal
+    mask hides as ring attention does. The ranks' blocks may hold different numbers of tokens."""
     _check_block(q, k, v, positions)
-    lengths = _block_lengths(q, group)
-    all_pos = _gather_tokens(positions, lengths, group)
+    every = _all_positions(positions, group)
+    lengths = [len(p) for p in every]
     k_all = _GatherSequence.apply(k, group, lengths)
     v_all = _GatherSequence.apply(v, group, lengths)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s = _scores(q, k_all, positions.to(torch.float64), all_pos.to(torch.float64), causal, scale)
-    return torch.softmax(s, dim=-1) @ v_all
+    return _LocalAttention.apply(q, k_all, v_all, positions, torch.cat(every), causal)
+
+
+class _LocalAttention(torch.autograd.Function):
+    """Attention over keys this rank holds, by `block_plan`'s kernels; backward from the final
+    output and log-sum-exp, piece by piece (the flash kernels' own backward has no gradient for
+    their log-sum-exp, which merging pieces by autograd would need)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_pos, causal):
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out, lse = block_attention(q, k, v, q_pos, k_pos, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale, ctx.positions = block_plan(q_pos, k_pos, causal), scale, (q_pos, k_pos)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rows, pieces in ctx.plan:
+            for cols, kind in pieces:
+                gq, gk, gv = _grads(q, k, v, *ctx.positions, out, lse, grad_out, rows, cols,
+                                    kind, ctx.scale)
+                dq, dk, dv = _add_rows(dq, rows, gq), _add_rows(dk, cols, gk), _add_rows(dv, cols, gv)
+        return dq, dk, dv, None, None, None
 
 
 def dense_attention(q, k, v, causal=False):
@@ -257,3 +481,152 @@ def _check_block(q, k, v, positions):
     if positions.shape != (q.shape[-2],):
         raise ValueError(f"positions must give one global index per token of the block "
                          f"({q.shape[-2]}); got shape {tuple(positions.shape)}.")
+
+
+# ---- time and memory at full size (closed forms) ---------------------------------------------------
+#
+# The emulator charges ring attention op by op (the flash kernels' FLOPs at the device's achieved
+# efficiency, each message at its link's latency and bandwidth); these closed forms charge the same
+# formulas for one step, so an emulated ring set beside them checks the code's critical path (does
+# the next block really travel while this one is computed?), not the hardware.
+
+def ring_step_seconds(device, link, block_tokens, heads=32, head_dim=128, kv_heads=None,
+                      causal=True, dtype=torch.bfloat16):
+    """One ring-attention step of one rank (forward): `compute`, the flash kernel of its
+    block_tokens queries against one visiting block of as many keys — 4·c²·heads·head_dim FLOPs,
+    half under a causal mask with zig-zag blocks (every step is then half a block: Brandon et al.
+    2023, striped / zig-zag load balance) — and `hop`, the two messages (K and V, c·kv_heads·
+    head_dim values each) that travel meanwhile. `overlap` is True when the hop hides behind the
+    kernel (Liu et al. 2023, Ring Attention, §3: block size ≥ FLOPs / bandwidth)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    kv = kv_heads or heads
+    flops = 4.0 * block_tokens ** 2 * heads * head_dim * (0.5 if causal else 1.0)
+    io = item * block_tokens * head_dim * (2 * heads + 2 * kv)           # q, out; k, v
+    compute = device.seconds(flops, io, dtype, (block_tokens, block_tokens, head_dim, heads))
+    hop = 2 * link.seconds("send", item * block_tokens * kv * head_dim, 2)
+    return dict(compute=compute, hop=hop, overlap=compute >= hop)
+
+
+def overlap_condition(peak_flops, bandwidth, heads=32, kv_heads=None, itemsize=2, causal=False):
+    """The block length (tokens per rank) above which a ring step's kernel outlasts its hop, from
+    peaks alone: 4·f·c²·H·d / P ≥ 2·c·KV·d·item / B  ⇔  c ≥ (P / B)·(KV / H)·(item / 2) / f, with
+    f = 1 (f = ½ causal zig-zag). For 16-bit multi-head attention without a mask: c ≥ P / B."""
+    kv = kv_heads or heads
+    return peak_flops / bandwidth * (kv / heads) * (itemsize / 2) / (0.5 if causal else 1.0)
+
+
+def overlap_block_length(device, link, heads=32, head_dim=128, kv_heads=None, causal=True,
+                         dtype=torch.bfloat16):
+    """The smallest block length (tokens per rank) at which `ring_step_seconds` says the hop
+    hides behind the kernel on this device and link (achieved rates, latencies included)."""
+    def hidden(c):
+        return ring_step_seconds(device, link, c, heads, head_dim, kv_heads, causal, dtype)["overlap"]
+    lo, hi = 1, 1
+    while not hidden(hi):
+        lo, hi = hi, hi * 2
+        if hi > 2 ** 26:
+            raise ValueError(f"{link} never hides behind {device.name}'s attention kernel "
+                             f"below 2**26 tokens per rank.")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if hidden(mid) else (mid, hi)
+    return hi
+
+
+def activation_bytes(seq_len, hidden, layers, tp=1, cp=1, sp=True, recompute="none",
+                     micro_batch=1, bytes_per_value=2):
+    """Activations one rank keeps for backward (flash attention: no s×s scores), from
+    Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models,
+    Table 2), per layer with s = seq_len/cp tokens on this rank, b = micro_batch, h = hidden:
+    - recompute "none" or "selective": with sequence parallelism 34·s·b·h / t; tensor parallelism
+      without it keeps the LayerNorm and dropout inputs whole, s·b·h·(10 + 24/t). Selective
+      recompute (the attention core: softmax, its dropout, the scores) saves the 5·a·s²·b term,
+      which flash attention never stores anyway: with flash it saves nothing more.
+    - "full": each layer's input only, 2·s·b·h (split over t with sequence parallelism, whole on
+      every tensor-parallel rank without it).
+    Bytes as Korthikanti counts them (16-bit values, 1-byte dropout masks); `bytes_per_value`
+    scales them from 2."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full'; got {recompute!r}.")
+    sbh = seq_len / cp * micro_batch * hidden * bytes_per_value / 2
+    if recompute == "full":
+        per_layer = 2 * sbh / (tp if sp else 1)
+    else:
+        per_layer = 34 * sbh / tp if sp else sbh * (10 + 24 / tp)
+    return layers * per_layer
+
+
+def long_context_layouts(model, cluster, seq_len, global_batch, options, dtype=torch.bfloat16,
+                         gpu_bytes=80e9):
+    """Ways to fit one long sequence's activations, each priced for memory and time per step.
+
+    `options`: dicts of dp, cp, tp (tp inside a node, cp next, dp outermost), sp (sequence
+    parallelism with tp), recompute ("none", "selective", "full"). Memory per GPU: bf16 weights
+    + fp32 grads, Adam and master weights sharded over dp·cp (ZeRO-1, memory.model_state_bytes),
+    activations (`activation_bytes`), the fp32 logits of one micro-batch (vocabulary-parallel
+    cross-entropy over tp, Megatron-LM), and at the peak of backward with full recompute one
+    layer's activations recomputed. Time: hardware.step_seconds on the rank's s/cp tokens
+    (calibrated GEMMs, flash attention, tensor-parallel communication, recompute's extra
+    forward), plus the attention against the other cp−1 blocks, the ring's hops where they do
+    not hide behind a step's kernel (`ring_step_seconds`, every forward-like pass; the last dK/dV
+    hop home exposed), and the gradient all-reduce over dp·cp (not overlapped)."""
+    from . import hardware, memory
+    rows = []
+    head_dim, item = model.hidden // model.heads, torch.empty((), dtype=dtype).element_size()
+    for o in options:
+        dp, cp, tp, sp, recompute = o["dp"], o["cp"], o["tp"], o.get("sp", True), o["recompute"]
+        n_gpus, s = dp * cp * tp, seq_len // cp
+        step = hardware.step_seconds(model, cluster, dp * tp, global_batch, s, tp=tp,
+                                     recompute=recompute, dtype=dtype)
+        m = step["micro_batches"]
+        passes = 4 if recompute == "full" else 3
+        heads, kv = model.heads // tp, (model.kv_heads or model.heads) // tp
+        cp_link = cluster.link_between(range(0, cp * tp, tp))
+        ring = ring_step_seconds(cluster.device, cp_link, s, heads, head_dim, kv, True, dtype)
+        extra_attention = m * model.layers * passes * (cp - 1) * ring["compute"] / hardware.SUSTAINED
+        cp_exposed = 0.0 if cp == 1 else m * model.layers * (
+            passes * (cp - 1) * max(0.0, ring["hop"] - ring["compute"]) + ring["hop"])
+        grads = item * model.params() / tp
+        dp_link = cluster.link_between(range(0, n_gpus, tp))
+        dp_comm = 0.0 if dp * cp == 1 else dp_link.seconds("all_reduce", grads, dp * cp)
+        states = sum(memory.model_state_bytes(model.params() / tp, zero_stage=1,
+                                              world_size=dp * cp).values())
+        acts = activation_bytes(seq_len, model.hidden, model.layers, tp, cp, sp, recompute)
+        logits = 4 * s * model.vocab / tp
+        working = (activation_bytes(seq_len, model.hidden, 1, tp, cp, sp, "none")
+                   if recompute == "full" else 0.0)
+        peak = states + acts + logits + working
+        seconds = step["compute"] + extra_attention + step["tp"] + cp_exposed + dp_comm
+        rows.append(dict(dp=dp, cp=cp, tp=tp, sp=sp, recompute=recompute, gpus=n_gpus,
+                         states=states, activations=acts, logits=logits, working=working,
+                         peak=peak, fits=peak <= gpu_bytes, step=seconds,
+                         compute=step["compute"] + extra_attention, tp_comm=step["tp"],
+                         cp_comm=cp_exposed, dp_comm=dp_comm, block=s,
+                         ring_hidden=cp == 1 or ring["overlap"]))
+    return rows
+
+
+def layouts_table(rows):
+    """The comparison as text, one line per way of fitting."""
+    head = (f"{'dp':>3} {'cp':>3} {'tp':>3} {'SP':>4} {'recompute':>9}  {'states':>6} "
+            f"{'acts':>6} {'logits':>6} {'peak GB':>7} {'fits':>4}  {'step s':>6} {'compute':>7} "
+            f"{'tp comm':>7} {'cp exp.':>7} {'dp comm':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['dp']:>3} {r['cp']:>3} {r['tp']:>3} {'yes' if r['sp'] else 'no':>4} "
+            f"{r['recompute']:>9}  {r['states'] / 1e9:>6.1f} {r['activations'] / 1e9:>6.1f} "
+            f"{r['logits'] / 1e9:>6.1f} {r['peak'] / 1e9:>7.1f} {'yes' if r['fits'] else 'no':>4}  "
+            f"{r['step']:>6.2f} {r['compute']:>7.2f} {r['tp_comm']:>7.2f} {r['cp_comm']:>7.2f} "
+            f"{r['dp_comm']:>7.2f}")
+    return "\n".join(lines)
+
+
+def plan_work(plan):
+    """The query-key pairs a plan's kernels compute: rows × columns of each FULL or PARTIAL
+    piece, half of a DIAGONAL one (what a causal flash kernel charges)."""
+    total = 0.0
+    for (qa, qb), pieces in plan:
+        for (ka, kb), kind in pieces:
+            total += (qb - qa) * (kb - ka) * (0.5 if kind == DIAGONAL else 1.0)
+    return total
