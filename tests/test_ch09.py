@@ -390,8 +390,10 @@ def test_real_size_imbalance_and_all_to_all_numbers_the_prose_quotes():
     from distlab.emulate import PRESETS
     text = _chapter_text()
     cfg = ep_lib.MIXTRAL_8X7B
-    runs = {f: distlab.run(ep_lib.imbalanced_layer_step, 8, f, emulate="h100-node", timeout=120)
-            for f in (1.0, 4.0)}
+    def both(rank, world_size):
+        return [ep_lib.imbalanced_layer_step(rank, world_size, f) for f in (1.0, 4.0)]
+    ranks = distlab.run(both, 8, emulate="h100-node", timeout=120)
+    runs = {f: [r[i] for r in ranks] for i, f in enumerate((1.0, 4.0))}
     step = {f: max(r[1] for r in runs[f]) for f in runs}
     balanced_rows, balanced_expert = runs[1.0][0][0], runs[1.0][0][2]
     assert balanced_rows == 8192 * 2
