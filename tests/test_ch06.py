@@ -250,7 +250,7 @@ def test_flash_attention_stores_no_scores_and_selective_changes_nothing():
         memory.activation_bytes(s, b, h, 1, a, checkpointing="half")
 
 
-def _saved_bytes(block, x):
+def _saved_bytes(block, *args):
     weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
     seen = {}
 
@@ -260,7 +260,7 @@ def _saved_bytes(block, x):
             seen[key] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x)
+        block(*args)
     return sum(seen.values())
 
 
@@ -338,3 +338,172 @@ def test_prefetch_needs_stage_3():
         except ValueError as e:
             return str(e)
     assert "only stage 3" in distlab.run(build, 2)[0]
+
+
+# ---- peak memory and Llama's activations (distlab.zero_memory) ------------------------------------
+
+def _notebook(name):
+    import pathlib
+
+    import nbformat
+    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / name
+    cells = nbformat.read(path, as_version=4).cells
+    prose = "\n".join(c.source for c in cells if c.cell_type == "markdown")
+    outputs = "\n".join(o.get("text", "") for c in cells if c.cell_type == "code"
+                        for o in c.get("outputs", []))
+    return " ".join(prose.split()), outputs
+
+
+def test_llama_count_is_what_a_llama_block_saves():
+    from distlab import zero_memory
+    s, h, a, f = 64, 32, 4, 88
+    for dtype in (torch.float32, torch.bfloat16):
+        block = zero_memory.LlamaBlock(h, a, f, dtype=dtype)
+        x = torch.randn(1, s, h, dtype=dtype, requires_grad=True)
+        cos, sin = zero_memory.rotary_tables(s, h // a, dtype)
+        tables = cos.untyped_storage().nbytes() + sin.untyped_storage().nbytes()
+        counted = sum(zero_memory.llama_activations(s, 1, h, a, f, dtype.itemsize).values())
+        assert _saved_bytes(block, x, cos, sin) - tables == counted
+    # in bf16 at Llama-2 7B's shape: 32 + 8·ffn/hidden bytes per token and hidden unit
+    L2 = zero_memory.LLAMA2_7B
+    per = sum(zero_memory.llama_activations(4096, 1, L2["hidden"], L2["heads"], L2["ffn"]).values())
+    assert per == 4096 * (L2["hidden"] * (32 + 8 * L2["ffn"] / L2["hidden"]) + 8 + 4 * L2["heads"])
+    assert zero_memory.llama_activations(4096, 2, 4096, 32, 11008, recompute="full") == \
+        {"block input (the rest is recomputed)": 2 * 4096 * 2 * 4096}
+    with pytest.raises(ValueError, match="flash attention already recomputes"):
+        zero_memory.llama_activations(4096, 1, 4096, 32, 11008, recompute="selective")
+
+
+def test_zero3_peak_walks_the_moments():
+    from distlab import zero_memory
+    u = dict(weights=10.0, grad=10.0, grad_shard=5.0, acts=1.0)
+    # no prefetch: backward of unit 0 = states + 2 shards + 10 + 10 + one flowing gradient
+    off = zero_memory.zero3_peak([u, u], 100.0, False, flowing=0.5, loss=3.0)
+    assert off["moment"] == "backward, unit 0" and off["peak"] == 100 + 10 + 10 + 10 + 0.5
+    # prefetch: backward of unit 1 holds unit 0's weights too, one shard, unit 0's acts
+    on = zero_memory.zero3_peak([u, u], 100.0, True, flowing=0.5, loss=3.0)
+    assert on["moment"] == "backward, unit 1" and on["peak"] == 100 + 5 + 1 + 20 + 10 + 1.0
+    # big activations: the last forward holds them all and its weights; a big loss, the turn
+    big = dict(u, acts=50.0)
+    last = zero_memory.zero3_peak([big, big], 100.0, True, flowing=0.5, loss=3.0)
+    assert last["moment"] == "forward, unit 1" and last["peak"] == 100 + 100 + 10
+    turn = zero_memory.zero3_peak([big, big], 100.0, True, flowing=0.5, loss=30.0)
+    assert turn["moment"] == "the turn (loss backward)" and turn["peak"] == 100 + 100 + 30 + 0.5
+
+
+def test_unequal_units_reduce_to_the_equal_layer_model():
+    from distlab import zero_memory
+    g, f, b, r = 3.0, 2.0, 4.0, 1.0
+    units = [dict(gather=g, forward=f, backward=b, reduce_scatter=r)] * 4
+    for prefetch in (False, True):
+        assert zero_memory.zero3_units_seconds(units, prefetch) == \
+            memory.zero3_step_seconds(g, f, b, r, 4, prefetch)
+    # compute after a unit (attention) adds to its own span: hidden or not by the next gather
+    u2 = [dict(gather=1.0, forward=1.0, backward=2.0, reduce_scatter=0.5, forward_after=3.0,
+               backward_after=0.25), dict(gather=2.0, forward=1.0, backward=2.0,
+                                          reduce_scatter=0.5)]
+    assert zero_memory.zero3_units_seconds(u2, True) == \
+        1.0 + max(4.0, 2.0) + 1.0 + 2.0 + (max(2.0, 1.0) + 0.5) + (2.0 + 0.5 + 0.25)
+
+
+def test_peak_tracker_follows_frees_and_resizes():
+    from distlab import zero_memory
+    keep = torch.empty(1000)                     # 4000 B, held from the start
+    with zero_memory.PeakTracker([keep]) as t:
+        a = torch.empty(2000).add_(1)            # + 8000
+        del a                                    # freed
+        b = torch.zeros(500)                     # + 2000
+        keep.untyped_storage().resize_(0)        # - 4000 (as ZeRO-3 frees a parameter)
+        c = torch.ones(3000)                     # + 12000
+        del b, c
+    assert t.baseline == 4000 and t.peak == 14000
+
+
+def _zero3_peak_run(rank, world_size, prefetch):
+    from distlab import models, zero_memory
+    from distlab.sharding import ZeRO
+    d, tokens = 256, 16
+    model = models.make_mlp((d,) * 4, seed=0)
+    x, y = models.regression_data(n=tokens * world_size, in_dim=d, out_dim=d, seed=0)
+    zero = ZeRO(model, 3, optimizer="adam", lr=1e-3, prefetch=prefetch)
+    xs, ys = x.chunk(world_size)[rank].clone(), y.chunk(world_size)[rank].clone()
+    for _ in range(2):
+        zero.zero_grad()
+        held = [*model.parameters(), *zero.shards, xs, ys,
+                *(v for st in zero.optimizer.state.values() for v in st.values())]
+        with zero_memory.PeakTracker(held) as t:
+            F.mse_loss(model(xs), ys).backward()
+        zero.step()
+    return t.baseline, t.peak
+
+
+def test_course_zero3_peak_is_the_count():
+    # The course's ZeRO-3 gathers into the parameter itself and reduce-scatters from the
+    # gradient itself (no extra full-size copies): its tracked peak is zero3_peak's.
+    import distlab
+    from distlab import zero_memory
+    d, tokens = 256, 16
+    w = (d * d + d) * 4
+    units = [dict(weights=w, grad=w, grad_shard=w / 2, acts=tokens * d * 4)] * 3
+    res = distlab.run(_zero3_peak_run, 2, True)
+    for baseline, peak in res:
+        model = zero_memory.zero3_peak(units, baseline, True, flowing=tokens * d * 4)
+        assert abs(model["peak"] / peak - 1) < 0.002
+
+
+def test_chapter_06_prose_numbers_are_computed():
+    from distlab import hardware, zero_memory
+    from distlab.emulate import PRESETS
+    prose, outputs = _notebook("06_memory_and_zero.ipynb")
+    L2 = zero_memory.LLAMA2_7B
+    h, a, f = L2["hidden"], L2["heads"], L2["ffn"]
+    per = sum(zero_memory.llama_activations(2048, 1, h, a, f).values()) / (2048 * h)
+    assert f"{per:.1f} bytes per token and hidden unit" in prose
+    assert f"{per:.1f}·s·b·h for an eager Llama-2 7B block" in prose
+
+    def gb(x):
+        return f"{x / memory.GB:.1f} GB"
+
+    def steady(n, recompute):
+        states = memory.model_state_bytes(zero_memory.llama_params(**L2), zero_stage=3,
+                                          world_size=n)
+        acts = L2["layers"] * sum(zero_memory.llama_activations(4096, 1, h, a, f,
+                                                                recompute=recompute).values())
+        return sum(states.values()) + acts
+    p8, p8f = (zero_memory.llama_zero3_peak(8, 4096, recompute=r) for r in ("none", "full"))
+    p64f = zero_memory.llama_zero3_peak(64, 4096, recompute="full")
+    assert f"{p8['parts']['saved activations'] / memory.GB:.1f} GB of saved activations" in prose
+    assert f"({p8['parts']['loss: logits and their gradient'] / memory.GB:.2f} GB)" in prose
+    assert f"{gb(p8['peak'])} on 8 GPUs" in prose and f"steady state ({gb(steady(8, 'none'))})" in prose
+    assert p8["moment"] == "the turn (loss backward)" and p8["peak"] < steady(8, "none")
+    assert f"peak is {gb(p8f['peak'])} against a steady {gb(steady(8, 'full'))[:-3]}" in prose
+    assert f"on 64 GPUs {gb(p64f['peak'])} against {gb(steady(64, 'full'))[:-3]}" in prose
+    assert f"{p64f['peak'] / steady(64, 'full'):.1f}× the steady state" in prose
+    parts = p64f["parts"]
+    for key in ("gathered weights", "full gradient before reduce-scatter", "recompute working set"):
+        assert f"({parts[key] / memory.GB:.2f} GB)" in prose, key
+    assert f"{gb(p64f['peak'])} at the peak, {gb(steady(64, 'full'))} at rest" in prose
+    # the prefetch threshold and the links
+    hide = {p: zero_memory.hiding_tokens(PRESETS[p], n)
+            for p, n in (("h100-node", 8), ("h100-2x8", 16), ("h100-ib", 2), ("h100-cluster", 64))}
+    assert hide["h100-node"] == hide["h100-2x8"] == hide["h100-cluster"] == 2048
+    assert hide["h100-ib"] == 8192 and "needs 8192 tokens per GPU" in prose
+    assert "hide from 2048 tokens per GPU on" in prose and "about 2048 tokens per GPU" in prose
+    assert PRESETS["h100-2x8"].link_between(range(16)).bandwidth == 370e9 == \
+        PRESETS["h100-node"].intra.bandwidth and PRESETS["h100-ib"].link_between([0, 1]).bandwidth == 47e9
+    assert "370 GB/s either way" in prose and "gets 47 GB/s" in prose
+    # the published run beside the closed form
+    llama3_8b = hardware.Transformer(32, 4096, 32, 14336, 128256, 8, True)
+    titan = hardware.step_seconds(llama3_8b, PRESETS["a100-cluster"], 64, 64, 8192,
+                                  recompute="selective-op", fsdp=True, fused=False)
+    assert "2,973 tokens/s per GPU" in prose and f"model {64 * 8192 / titan['step'] / 64:,.0f}" in outputs
+    assert titan["dp"] < titan["step"]
+    # the emulated and CPU numbers the prose quotes are the stored outputs (nbval re-runs them)
+    import re
+    ratios = re.findall(r"off/on: emulated (\d\.\d\d), closed form (\d\.\d\d)", outputs)
+    assert len(ratios) == 2
+    (e1, m1), (e2, m2) = ratios
+    assert f"off/on {e1} against {m1} inside a node, {e2} against {m2} across nodes" in prose
+    assert f"about {float(e1) - 1:.0%}".replace("%", " %") in prose
+    assert outputs.count("within 2e-03: True") == 2 and "within 0.2 %" in prose
+    assert outputs.count("NOT within 2e-03") == 2 and "tracked peak is higher" in prose

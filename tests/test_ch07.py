@@ -219,3 +219,65 @@ def test_stubs_are_reported_as_not_written():
         ch07.check_row_parallel_linear(stub)
     with pytest.raises(NotImplementedError, match="Stub is not written yet"):
         ch07.check_megatron_mlp(Stub, row_parallel_linear)
+
+
+# ---- the real-size lesson: TP's communication against its compute -----------------------------
+
+def test_chapter_07_prose_numbers_are_computed():
+    import pathlib
+    import re
+
+    import nbformat
+
+    from distlab import hardware
+    from distlab import tensor_parallel as tpm
+    from distlab.emulate import PRESETS
+    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "07_tensor_parallel.ipynb"
+    cells = nbformat.read(path, as_version=4).cells
+    prose = " ".join("\n".join(c.source for c in cells if c.cell_type == "markdown").split())
+    outputs = "\n".join(o.get("text", "") for c in cells if c.cell_type == "code"
+                        for o in c.get("outputs", []))
+    wide = dict(hidden=8192, heads=64, ffn=28672)
+    ratio, ratio_wide = {}, {}
+    for tp, preset in [(2, "h100-node"), (4, "h100-node"), (8, "h100-node"), (16, "h100-2x8")]:
+        t = tpm.tp_block_seconds(PRESETS[preset], tp, 4096)
+        w = tpm.tp_block_seconds(PRESETS[preset], tp, 4096, **wide)
+        ratio[tp], ratio_wide[tp] = t["comm"] / t["compute"], w["comm"] / w["compute"]
+        assert ratio_wide[tp] < ratio[tp]
+    pct = {tp: f"{r:.0%}".replace("%", " %") for tp, r in ratio.items()}
+    assert (f"{pct[2]} of the block's matmul and attention time at tp = 2, {pct[4]} at tp = 4 "
+            f"and {pct[8]} at tp = 8; across two nodes, at tp = 16, {pct[16]}") in prose
+    assert ratio[16] > 1 > ratio[8] and "more than the compute" in prose
+    assert (f"{ratio_wide[8]:.0%} at tp = 8, still {ratio_wide[16]:.0%} at tp = 16"
+            .replace("%", " %")) in prose
+    assert f"{ratio[8]:.0%} of its compute at tp = 8 in a node, {ratio[16]:.0%} at".replace(
+        "%", " %") in prose
+    node, two = PRESETS["h100-node"].link_between(range(8)), PRESETS["h100-2x8"].link_between(range(16))
+    assert f"({node.busbw('all_reduce') / 1e9:.0f} → {two.busbw('all_reduce') / 1e9:.0f} GB/s" in prose
+    comm8 = tpm.tp_block_seconds(PRESETS["h100-node"], 8, 4096)["comm"]
+    comm16 = tpm.tp_block_seconds(PRESETS["h100-2x8"], 16, 4096)["comm"]
+    assert f"{comm8 * 1e3:.2f} ms (tp = 8) and {comm16 * 1e3:.2f} ms (tp = 16)" in prose
+    # the emulated numbers the prose quotes are the stored outputs (nbval re-runs the cell)
+    runs = re.findall(r"tp=\s?(\d+) \([\w-]+\): emulated step (\d+\.\d\d) ms, of which all-reduces "
+                      r"(\d+\.\d\d) ms", outputs)
+    (_, s8, c8), (_, s16, c16) = runs
+    assert (c8, c16) == (f"{comm8 * 1e3:.2f}", f"{comm16 * 1e3:.2f}")
+    assert f"longer — {s8} ms at tp = 8" in prose and f"from {s8} to {s16} ms" in prose
+    gain = f"{float(s8) / float(s16) - 1:.0%}".replace("%", " %")
+    assert f"twice the GPUs for {gain}" in prose
+    # Megatron-LM beside the closed form
+    shares, model = [], []
+    for layers, hidden, heads, gpus, tp in ((30, 3072, 32, 64, 2), (36, 4096, 32, 128, 4),
+                                            (40, 6144, 48, 256, 8)):
+        gpt = hardware.Transformer(layers, hidden, heads, 4 * hidden, 51200)
+        batch, seq = (1024 if gpus == 256 else 512), 2048
+        parts = hardware.step_seconds(gpt, PRESETS["a100-cluster"], gpus, batch, seq, tp=tp,
+                                      recompute="full", flash=False)
+        flops = 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden)
+                                                          + 51200 / (16 * layers * hidden))
+        model.append(round(flops / parts["step"] / gpus / 1e12))
+        shares.append(f"{parts['tp'] / parts['step']:.0%}".replace("%", " %"))
+    assert (f"({model[0]} against 138, {model[1]} against 142, {model[2]} against 135 TFLOP/s "
+            f"per GPU)") in prose
+    assert max(abs(m / p - 1) for m, p in zip(model, (138, 142, 135))) < 0.08 and "within 8 %" in prose
+    assert f"{shares[0]} at tp = 2, {shares[1]} at tp = 4, {shares[2]} at tp = 8" in prose

@@ -269,3 +269,32 @@ def _dtensor_case(rank, ws):
 
 def test_dtensor_parallelize_module_matches_ours():
     assert distlab.run(_dtensor_case, 2, timeout=TIMEOUT) == [True] * 2
+
+
+def _llama_block_case(rank, ws):
+    from distlab import zero_memory
+    torch.manual_seed(0)
+    h, a, f, s = 16, 4, 24, 6
+    dense = zero_memory.LlamaBlock(h, a, f, dtype=torch.float64)
+    tp = tpm.ParallelLlamaBlock(h, a, f, dtype=torch.float64)
+    with torch.no_grad():
+        for name in ("norm1", "norm2"):
+            getattr(tp, name).weight.copy_(getattr(dense, name).weight)
+        for name in ("qkv", "out", "gate_up", "down"):
+            getattr(tp, name).weight.copy_(getattr(tp, name).shard_of(getattr(dense, name).weight))
+    x = torch.randn(2, s, h, dtype=torch.float64, requires_grad=True)
+    xt = x.detach().clone().requires_grad_()
+    cos, sin = zero_memory.rotary_tables(s, h // a, torch.float64)
+    y, yt = dense(x, cos, sin), tp(xt, cos, sin)
+    (y ** 2).sum().backward()
+    (yt ** 2).sum().backward()
+    ok = close("output", yt, y) and close("input grad", xt.grad, x.grad)
+    for name in ("qkv", "out", "gate_up", "down"):
+        layer = getattr(tp, name)
+        ok = ok and close(name, layer.weight.grad, layer.shard_of(getattr(dense, name).weight.grad))
+    return ok
+
+
+def test_parallel_llama_block_equals_the_dense_block():
+    # the real-size lesson of chapter 07 runs this block on meta tensors: here it is proven
+    assert distlab.run(_llama_block_case, 2, timeout=TIMEOUT) == [True, True]

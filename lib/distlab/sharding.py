@@ -35,14 +35,24 @@ def chunk_bounds(numel, world_size, rank):
     return min(rank * c, numel), min((rank + 1) * c, numel)
 
 
-def gather_flat(shard, numel, group=None):
-    """The whole flattened parameter (numel elements) from every rank's slice of it."""
+def gather_flat(shard, numel, group=None, out=None):
+    """The whole flattened parameter (numel elements) from every rank's slice of it.
+
+    `out`: a flat tensor of numel elements to gather into. When numel divides by the world
+    size the slices land in `out` itself (no other full-size buffer); otherwise they land in
+    one padded buffer, returned as a view of its first numel elements — never a second copy
+    (a full parameter's extra copies are peak memory: zero_memory counts them)."""
     world = dist.get_world_size(group)
     c = math.ceil(numel / world)
-    mine = torch.nn.functional.pad(shard, (0, c - shard.numel()))  # gloo needs equal sizes
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
-    return torch.cat(parts)[:numel]
+    # gloo needs equal sizes; a slice that already has them goes as it is (no copy)
+    mine = shard if shard.numel() == c else torch.nn.functional.pad(shard,
+                                                                    (0, c - shard.numel()))
+    if out is not None and c * world == numel:
+        buffer = out
+    else:
+        buffer = torch.empty(c * world, dtype=mine.dtype, device=mine.device)
+    dist.all_gather(list(buffer.split(c)), mine, group=group)
+    return buffer[:numel]
 
 
 # The dtypes a model can compute and reduce gradients in: float8 has no matmul or autograd on
@@ -165,21 +175,28 @@ class ZeRO:
     # ---- communication, padded to equal sizes -------------------------------------------------
     def _padded(self, flat):
         c = math.ceil(flat.numel() / self.world)
+        if c * self.world == flat.numel():
+            return flat, c                     # no padding: the tensor itself, not a copy
         return torch.nn.functional.pad(flat, (0, c * self.world - flat.numel())), c
 
     def _all_gather_param(self, p, shard):
         """Fill p (its full storage) from every rank's shard."""
-        p.data.view(-1).copy_(gather_flat(shard.data.to(p.dtype), p.numel(), self.group))
+        flat = p.data.view(-1)
+        full = gather_flat(shard.data.to(p.dtype), p.numel(), self.group, out=flat)
+        if full.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+            flat.copy_(full)          # padded: the slices came in a buffer of their own
         self.sent["all_gather"] += math.ceil(p.numel() / self.world) * p.element_size() * \
             (self.world - 1)
 
     def _reduce_scatter_grad(self, grad, shard):
         """Average `grad` over the ranks, keeping only this rank's slice (in shard.grad)."""
+        # No full-size copy unless the padding needs one: a divisible gradient is reduced
+        # from its own storage (peak memory: the full gradient exists once).
         padded, c = self._padded(grad.reshape(-1).to(self.reduce_dtype or grad.dtype))
         out = torch.empty(c, dtype=padded.dtype, device=grad.device)
         dist.reduce_scatter(out, list(padded.split(c)), group=self.group)
         self.sent["reduce_scatter"] += c * padded.element_size() * (self.world - 1)
-        mine = out[:shard.numel()] / self.world
+        mine = out.div_(self.world) if c == shard.numel() else out[:shard.numel()] / self.world
         shard.grad = mine if shard.grad is None else shard.grad + mine
 
     # ---- stage 2 and 3: gradients leave as soon as they are ready ---------------------------
@@ -212,8 +229,12 @@ class ZeRO:
                 p.untyped_storage().resize_(p.numel() * p.element_size())
                 shard = self.shards[self._index(p)].data.to(p.dtype)     # compute dtype
                 c = math.ceil(p.numel() / self.world)
-                mine = torch.nn.functional.pad(shard, (0, c - shard.numel()))  # equal sizes
-                parts = [torch.empty_like(mine) for _ in range(self.world)]
+                mine = shard if shard.numel() == c else torch.nn.functional.pad(
+                    shard, (0, c - shard.numel()))                            # equal sizes
+                # straight into the parameter when no padding is needed (as gather_flat)
+                buffer = (p.data.view(-1) if c * self.world == p.numel() else
+                          torch.empty(c * self.world, dtype=mine.dtype, device=mine.device))
+                parts = list(buffer.split(c))
                 works.append((p, parts, dist.all_gather(parts, mine, group=self.group,
                                                         async_op=True)))
         if works:
@@ -222,7 +243,9 @@ class ZeRO:
     def _finish_prefetch(self, module):
         for p, parts, work in self._pending.pop(module):
             work.wait()
-            p.data.view(-1).copy_(torch.cat(parts)[:p.numel()])
+            flat = p.data.view(-1)
+            if parts[0].untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+                flat.copy_(torch.cat(parts)[:p.numel()])    # padded: a buffer of their own
             self.sent["all_gather"] += parts[0].numel() * p.element_size() * (self.world - 1)
 
     def _after_forward(self, module, args, output):
