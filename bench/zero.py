@@ -4,8 +4,9 @@ For 2 and 4 ranks, on the same MLP and data:
 - bytes of weights + gradients + Adam states each rank holds after a step (measured on the real
   tensors), plain DDP vs our ZeRO-3, and their ratio (the model says 1/N);
 - median step time of our ZeRO-3 vs torch's FSDP2 (fully_shard per Linear), and their ratio;
-- last, ZeRO-3 with and without prefetch on the emulated a100-ethernet preset (2 ranks), beside
-  the cost model (memory.zero3_step_seconds): the step-time ratio off/on.
+- last, ZeRO-3 with and without prefetch on two Llama-2 7B blocks (meta tensors) under the
+  emulated h100-node and h100-ib presets (2 ranks), beside the closed form
+  (zero_memory.zero3_units_seconds): the step-time ratio off/on, emulated — not measured.
 
     python bench/zero.py [--steps 20]
 """
@@ -84,36 +85,42 @@ def fsdp2(rank, world_size, steps):
     return timed_steps(step, batches(world_size, rank, steps))
 
 
-PF_D, PF_LAYERS, PF_TOKENS, PF_PRESET = 256, 4, 4096, "a100-ethernet"
+PF_BLOCKS, PF_TOKENS, PF_PRESETS = 2, 2048, ("h100-node", "h100-ib")
 
 
-def zero3_emulated(rank, world_size, prefetch):
-    model = models.make_mlp((PF_D,) * (PF_LAYERS + 1), seed=0)
-    x, y = models.regression_data(n=PF_TOKENS * world_size, in_dim=PF_D, out_dim=PF_D, seed=0)
-    zero = ZeRO(model, 3, optimizer="adam", lr=1e-3, prefetch=prefetch)
-    start = distlab.trace.now()
-    zero.zero_grad()
-    F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
-    zero.step()
-    return distlab.trace.now() - start, zero.full_parameters()
+def zero3_emulated(rank, world_size, tokens):
+    """Emulated seconds of one forward + backward of PF_BLOCKS Llama-2 7B blocks (meta tensors,
+    bf16) under our ZeRO-3, prefetch off then on."""
+    from distlab import zero_memory
+    c, seconds = zero_memory.LLAMA2_7B, []
+    for prefetch in (False, True):
+        with torch.device("meta"):
+            blocks = torch.nn.ModuleList(zero_memory.LlamaBlock(c["hidden"], c["heads"], c["ffn"],
+                                                                dtype=torch.bfloat16)
+                                         for _ in range(PF_BLOCKS))
+            x = torch.randn(1, tokens, c["hidden"], dtype=torch.bfloat16, requires_grad=True)
+            cos, sin = zero_memory.rotary_tables(tokens, c["hidden"] // c["heads"], torch.bfloat16)
+        ZeRO(blocks, 3, optimizer="adam", prefetch=prefetch)
+        start = distlab.trace.now()
+        y = x
+        for block in blocks:
+            y = block(y, cos, sin)
+        y.backward(torch.ones_like(y))
+        seconds.append(distlab.trace.now() - start)
+    return seconds
 
 
-def prefetch_ratio():
-    """(emulated off/on, model off/on, results bit-identical) for one ZeRO-3 step on 2 ranks."""
-    from distlab import cost, memory
+def prefetch_ratio(preset):
+    """(emulated off/on, closed form off/on) of one ZeRO-3 step of Llama-2 7B blocks on 2 ranks
+    of `preset` (chapter 06's lesson). The two share their formulas: the agreement checks the
+    code's critical path (which gather waits for which compute), not the hardware."""
+    from distlab import zero_memory
     from distlab.emulate import PRESETS
-    runs = {p: distlab.run(zero3_emulated, 2, p, emulate=PF_PRESET, timeout=300)
-            for p in (False, True)}
-    same = all(torch.equal(u, v) for r in range(2)
-               for u, v in zip(runs[False][r][1], runs[True][r][1]))
-    cluster = PRESETS[PF_PRESET]
-    link, peak = cluster.link_between([0, 1]), cluster.device.peak(torch.float32)
-    g = sum(cost.predict("ring_all_gather", n * 4, 2, link) for n in (PF_D * PF_D, PF_D))
-    r = sum(cost.predict("ring_reduce_scatter", n * 4, 2, link) for n in (PF_D * PF_D, PF_D))
-    f = 2 * PF_TOKENS * PF_D * PF_D / peak
-    model = [memory.zero3_step_seconds(g, f, 2 * f, r, PF_LAYERS, p) for p in (False, True)]
-    emulated = [max(s for s, _ in runs[p]) for p in (False, True)]
-    return emulated[0] / emulated[1], model[0] / model[1], same
+    res = distlab.run(zero3_emulated, 2, PF_TOKENS, emulate=preset, timeout=300)
+    off, on = (max(r[i] for r in res) for i in (0, 1))
+    units = zero_memory.llama_zero3_units(PRESETS[preset], 2, PF_TOKENS, PF_BLOCKS)
+    m_off, m_on = (zero_memory.zero3_units_seconds(units, p) for p in (False, True))
+    return off / on, m_off / m_on
 
 
 def main():
@@ -132,9 +139,11 @@ def main():
         ours_s, theirs_s = max(s for _, s in ours), max(theirs)  # a step ends with its slowest rank
         print(f"{ws:>5} {ddp:>15,} {ours_bytes:>18,} {ours_bytes / ddp:>7.3f} "
               f"{ours_s * 1e3:>10.1f}ms {theirs_s * 1e3:>9.1f}ms {ours_s / theirs_s:>11.2f}")
-    emulated, model, same = prefetch_ratio()
-    print(f"ZeRO-3 prefetch off/on (emulated {PF_PRESET}, 2 ranks): measured {emulated:.2f}, "
-          f"model {model:.2f}; parameters bit-identical: {same}")
+    for preset in PF_PRESETS:
+        emulated, model = prefetch_ratio(preset)
+        print(f"ZeRO-3 prefetch off/on, {PF_BLOCKS} Llama-2 7B blocks, {PF_TOKENS} tokens/rank "
+              f"(meta tensors, emulated {preset}, 2 ranks): emulated {emulated:.2f}, "
+              f"closed form {model:.2f}")
 
 
 if __name__ == "__main__":
