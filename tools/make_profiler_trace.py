@@ -17,36 +17,17 @@ import json
 import os
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 import distlab
-from distlab.models import make_mlp, regression_data
+from distlab import debug
 
 SIZES = (16, 256, 256, 256, 256, 4)  # five layers: a bucket per 256x256 layer, four in all
 BUCKET_MB = 0.25                    # 64k float32 gradients per bucket: one hidden layer each
 
 
 def profiled_ddp(rank, world_size, out):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.profiler import (ProfilerActivity, profile, record_function, schedule,
-                                tensorboard_trace_handler)
-    model = DDP(make_mlp(SIZES, seed=0), bucket_cap_mb=BUCKET_MB)
-    x, y = regression_data(n=64, in_dim=SIZES[0], out_dim=SIZES[-1], seed=rank)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step():
-        with record_function("forward"):
-            loss = F.mse_loss(model(x), y)
-        with record_function("backward"):
-            loss.backward()
-        with record_function("optimizer"):
-            opt.step()
-            opt.zero_grad()
-
-    # DDP rebuilds its buckets after the first backward: two steps before the profiler starts.
-    step()
-    step()
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+    # The chapter's annotated step (forward / backward / optimizer ranges), already settled.
+    step = debug.annotated_ddp_step(rank, SIZES, batch=64, bucket_cap_mb=BUCKET_MB)
     handler = tensorboard_trace_handler(out, worker_name=f"rank{rank}")
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
                  schedule=schedule(wait=1, warmup=1, active=1), on_trace_ready=handler) as prof:

@@ -180,18 +180,18 @@ def _quiet_fds():
             os.close(copy)
 
 
-def profile_ddp_steps(rank, world_size, width=256, steps=3, batch=64):
-    """torch.profiler around `steps` DDP training steps of an MLP on this rank.
-
-    Returns {"ms": {"forward", "backward", "optimizer", "communication"}, "top": [op names by self
-    time]}. Communication is the self time of the c10d/gloo/nccl ops, which run inside backward
-    (DDP all-reduces its buckets while the rest of backward is still going).
+def annotated_ddp_step(rank, sizes=(16, 256, 256, 4), batch=64, bucket_cap_mb=25, lr=0.01):
+    """A training step of torch's DDP on the course's MLP (`sizes`, this rank's `batch` samples),
+    its forward, backward and optimizer marked with `record_function` so that a profile names
+    them. Returns `step()`, after the two steps DDP takes to settle: it rebuilds its buckets
+    after the first backward and broadcasts the new order at the start of the second, and
+    neither belongs in a picture of a steady step. (tools/make_profiler_trace.py profiles it too.)
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.profiler import ProfilerActivity, profile, record_function
-    model = DDP(make_mlp((16, width, width, 4), seed=0))
-    x, y = regression_data(n=batch, seed=rank)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    from torch.profiler import record_function
+    model = DDP(make_mlp(sizes, seed=0), bucket_cap_mb=bucket_cap_mb)
+    x, y = regression_data(n=batch, in_dim=sizes[0], out_dim=sizes[-1], seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
 
     def step():
         with record_function("forward"):
@@ -202,10 +202,20 @@ def profile_ddp_steps(rank, world_size, width=256, steps=3, batch=64):
             opt.step()
             opt.zero_grad()
 
-    # Warm-up: DDP rebuilds its buckets after the first backward and broadcasts the new order
-    # at the start of the second step; neither belongs in a picture of a steady step.
     step()
     step()
+    return step
+
+
+def profile_ddp_steps(rank, world_size, width=256, steps=3, batch=64):
+    """torch.profiler around `steps` DDP training steps of an MLP on this rank.
+
+    Returns {"ms": {"forward", "backward", "optimizer", "communication"}, "top": [op names by self
+    time]}. Communication is the self time of the c10d/gloo/nccl ops, which run inside backward
+    (DDP all-reduces its buckets while the rest of backward is still going).
+    """
+    from torch.profiler import ProfilerActivity, profile
+    step = annotated_ddp_step(rank, (16, width, width, 4), batch)
     with _quiet_fds(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
