@@ -20,6 +20,10 @@ EP × DP on a 2D mesh (dp, ep): the experts are sharded along "ep" and replicate
 everything else is replicated everywhere. After backward, an expert's gradient already holds the
 contributions of its whole EP group (they came back through the all-to-all), so it is all-reduced
 over the DP group only; a replicated parameter's gradient is all-reduced over every rank.
+
+At real size (`imbalanced_layer_step`: a Mixtral-8x7B layer on meta tensors, under emulation) the
+routing is fixed (`skewed_rows`): a router needs values. `all_to_all_seconds` models the
+exchange across nodes at two levels (each GPU's NIC carries the share for other nodes).
 """
 import copy
 import time

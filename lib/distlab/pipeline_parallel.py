@@ -10,6 +10,13 @@ to the next; a backward receives the output's gradient and sends the input's gra
 Sends are non-blocking (isend) so a stage never waits for its neighbour to pick a tensor up;
 receives block, which is where the bubbles are. Every action's start and end are recorded
 (on the rank's virtual clock when the run is emulated: distlab.run(..., emulate=...)).
+
+ZB's split backward works layer by layer, as production implementations do: `I` asks autograd
+for the input's gradient and the gradient at every layer output that feeds a weight (autograd
+then skips the weight-gradient products), `W` multiplies each by its layer's input.
+
+Real size: a model built on the meta device runs as is (shapes, no values) under emulation;
+`real_size_step` is a pipeline of Llama-2 7B blocks for the chapter's bubble at real size.
 """
 import time
 
