@@ -16,12 +16,22 @@ query to meet every key, so the key/value blocks must travel:
 
 Causal attention makes blocks unequal: with contiguous blocks, rank 0's queries see only their
 own block while the last rank's see everything. `zigzag_positions` gives rank r the chunks r and
-2N−1−r of 2N, so every rank does the same work. Positions travel with their blocks, and the mask
-is built from them (key position ≤ query position), whatever the layout.
+2N−1−r of 2N, so every rank does the same work. The mask is built from positions (key position
+≤ query position), whatever the layout: `block_plan` cuts a block into runs of consecutive
+positions, skips the pairs of runs the mask hides entirely, runs a block against itself as one
+causal flash kernel (half the work) and the rest as full kernels — so the work, and the emulated
+time, is what the layout gives each rank.
 
 Tensors are (batch, heads, tokens, head_dim); `positions` are the global token indices of the
-rank's block. Blocks may hold different numbers of tokens (7 tokens on 3 ranks: 3, 2, 2): one
-all-gather of the block lengths (an integer per rank) sizes every buffer a block arrives in.
+rank's block (real integers, also when q, k and v are meta tensors for full-size emulation).
+Blocks may hold different numbers of tokens (7 tokens on 3 ranks: 3, 2, 2): two small
+all-gathers at the start (block lengths, then positions) size every buffer a block arrives in
+and tell every rank which tokens each block holds.
+
+At the end, closed forms for full size: one ring step's kernel and hop (`ring_step_seconds`),
+the block length above which the hop hides (`overlap_condition`, `overlap_block_length`), and
+ways to fit a long sequence — context parallelism, recompute, TP+SP — priced for memory and
+time (`long_context_layouts`).
 """
 import math
 
@@ -88,6 +98,21 @@ def _runs(positions):
     return tuple(runs)
 
 
+def _bounds(runs):
+    """The positions where runs begin and where they end (one past their last)."""
+    return sorted({f for _, _, f in runs} | {f + b - a for a, b, f in runs})
+
+
+def _cut(runs, points):
+    """`runs` split at the given positions."""
+    out = []
+    for a, b, f in runs:
+        inside = [p for p in points if f < p < f + b - a]
+        for lo, hi in zip([f] + inside, inside + [f + b - a]):
+            out.append((a + lo - f, a + hi - f, lo))
+    return tuple(out)
+
+
 # What a (query run, key run) pair needs under a causal mask, from positions alone:
 FULL, SKIP, DIAGONAL, PARTIAL = "full", "skip", "diagonal", "partial"
 
@@ -121,6 +146,11 @@ def block_plan(q_pos, k_pos, causal):
         # j ≤ i, one causal kernel (a zig-zag block's two chunks in one, its work c²/2 as theirs)
         n = qruns[-1][1]
         return [((0, n), [((0, n), DIAGONAL)])]
+    if causal:
+        # cut each side's runs where the other side's runs begin and end: every pair of pieces
+        # then covers the same positions (DIAGONAL) or disjoint ones (FULL or SKIP), and none
+        # needs an explicit mask (all-gather's joined K: chunks 3 and 4 of zig-zag are one run)
+        qruns, kruns = _cut(qruns, _bounds(kruns)), _cut(kruns, _bounds(qruns))
     rows = []
     for qrun in qruns:
         kinds = tuple(_pair(qrun, krun, causal) for krun in kruns)
@@ -200,7 +230,7 @@ def block_attention(q, k, v, q_pos, k_pos, causal, scale):
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=_lse_dtype(q), device=q.device)
     if len(plan) == 1 and plan[0][0] == (0, q.shape[-2]):
         (_, o, l), = _attend_plan(q, k, v, q_pos, k_pos, plan, scale)
-        return o, l
+        return o.to(q.dtype), l            # merged pieces are float32 for 16-bit inputs
     for rows, o, l in _attend_plan(q, k, v, q_pos, k_pos, plan, scale):
         _rows(out, rows).copy_(o)
         _rows(lse, rows).copy_(l)
@@ -223,7 +253,7 @@ def _block_lengths(q, group):
     """Every rank's number of tokens (collective). Blocks may differ (7 tokens on 3 ranks:
     3, 2, 2), and a receive buffer must be the size of the block that arrives, not of this
     rank's own: gloo aborts the process on a mismatch, NCCL would hang or return garbage."""
-    mine = torch.tensor([q.shape[-2 if q.dim() > 1 else 0]])
+    mine = torch.tensor([q.shape[-2 if q.dim() > 1 else 0]], device=q.device)
     lengths = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(lengths, mine, group=group)
     return [int(t) for t in lengths]
@@ -385,12 +415,19 @@ def _all_positions(positions, group):
     return list(gathered.split(lengths))
 
 
+def _positions_for(q, positions):
+    """Positions where the collectives can move them: on q's device (NCCL moves GPU tensors
+    only), except for meta q (full-size emulation), whose positions stay real integers."""
+    return positions if q.device.type == "meta" else positions.to(q.device)
+
+
 def ring_attention(q, k, v, positions, causal=False, group=None):
     """Attention of this rank's queries over the whole sequence, K/V passed around the ring.
     The ranks' blocks may hold different numbers of tokens. q, k and v may be meta tensors
     (full-size emulation); positions are real integers."""
     _check_block(q, k, v, positions)
-    return RingAttention.apply(q, k, v, _all_positions(positions, group), causal, group)
+    return RingAttention.apply(q, k, v, _all_positions(_positions_for(q, positions), group),
+                               causal, group)
 
 
 # ---- all-gather K/V --------------------------------------------------------------------------------
@@ -434,6 +471,7 @@ def all_gather_attention(q, k, v, positions, causal=False, group=None):
     """Gather every rank's K/V (and positions), then attend locally, skipping what a causal
     mask hides as ring attention does. The ranks' blocks may hold different numbers of tokens."""
     _check_block(q, k, v, positions)
+    positions = _positions_for(q, positions)
     every = _all_positions(positions, group)
     lengths = [len(p) for p in every]
     k_all = _GatherSequence.apply(k, group, lengths)
