@@ -263,7 +263,7 @@ def test_chapter_07_prose_numbers_are_computed():
     (_, s8, c8), (_, s16, c16) = runs
     assert (c8, c16) == (f"{comm8 * 1e3:.2f}", f"{comm16 * 1e3:.2f}")
     assert f"longer — {s8} ms at tp = 8" in prose and f"from {s8} to {s16} ms" in prose
-    gain = f"{float(s8) / float(s16) - 1:.0%}".replace("%", " %")
+    gain = f"{1 - float(s16) / float(s8):.0%}".replace("%", " %")      # how much shorter
     assert f"twice the GPUs for {gain}" in prose
     # Megatron-LM beside the closed form
     shares, model = [], []
