@@ -79,3 +79,25 @@ def test_global_mean(capsys):
     with pytest.raises(CheckFailed, match="course's own _reference_global_mean"):
         ch00.check_global_mean(
             lambda local: ch00._reference_global_mean(0, dist.get_world_size()), world_sizes=(2,))
+
+
+# ---- the numbers chapter 00's prose quotes, recomputed (stale text fails) --------------------------
+
+def test_chapter_00_numbers():
+    from distlab import hardware as hw
+    # activations of a 7B shape, one sequence: "a sixth" of the states at 4k, "eight times" at 32k,
+    # and then more than the states
+    states = sum(memory.model_state_bytes(7e9).values())
+    act = {s: memory.activation_bytes(seq_len=s, batch=1, hidden=4096, layers=32, heads=32)
+           for s in (4096, 32768)}
+    assert round(states / act[4096]) == 6 and round(act[32768] / act[4096]) == 8
+    assert act[32768] > states
+    # FLOP per byte on an H100: ~280 (HBM), ~2,300 (NVLink), ~18,000 (NIC), NIC/NVLink ~8
+    achieved = hw.H100.peak(torch.bfloat16) * hw.H100.gemm_efficiency(8192, 8192, 8192)
+    hbm, nvl, nic = (achieved / bw for bw in (hw.H100.memory_bandwidth, hw.NVLINK4.bandwidth,
+                                             hw.IB_NDR.bandwidth))
+    assert round(hbm, -1) == 280 and round(nvl, -2) == 2300 and round(nic, -3) == 18000
+    assert round(nic / nvl) == 8 and round(3 * hbm, -1) == 850
+    # GPT-3's batch: ~1,560 sequences; a tenth of one per rank at 16,384 ranks
+    sequences = 3.2e6 / 2048
+    assert round(sequences, -1) == 1560 and round(sequences / 16384, 2) == 0.10
