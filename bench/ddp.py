@@ -6,10 +6,14 @@ Two parts:
    step times and ratios. On a 2-core machine the ranks share the cores with gloo's threads, so
    overlap can only hide what the cores are not already busy with: these ratios say little
    about a GPU cluster;
-2. emulated (distlab.emulate, preset a100-nvlink, fp32): the chapter's deep MLP at 128 samples
-   per rank, where backward compute and the gradient all-reduce take about the same modeled
-   time, overlap off against on, beside distlab.cost.ddp_step_time's prediction. The last line is
-   `overlap off/on (emulated): measured X, model Y`.
+2. emulated on calibrated presets (distlab.emulate), overlap off against on:
+   - the chapter's deep MLP (2.1 M parameters, fp32, 128 samples per rank) on `a100-node`:
+     small matmuls and launch costs, so off/on is 1.00 — nothing to hide;
+   - 2 of GPT-3 XL's blocks at real size on the meta device (distlab.data_parallel.gpt_step:
+     hidden 2048, 2048 tokens per rank, bf16) on 16 ranks over two nodes (`a100-2x8`), beside
+     distlab.data_parallel.predict_step's replay of a one-rank run (same link formulas: the
+     agreement checks the code's critical path, not the hardware). The last line is
+     `overlap off/on (emulated, 16 ranks, GPT-3 XL blocks): X, predicted Y`.
 
     python bench/ddp.py [--world-size 2] [--steps 20] [--bucket-mb 2] [--sizes 256,1024,1024,1024,256]
 """
@@ -23,8 +27,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import distlab
-from distlab import cost, emulate, models
-from distlab.data_parallel import BucketedDDP, shard_batch
+from distlab import emulate, models
+from distlab.data_parallel import BucketedDDP, gpt_step, predict_step, shard_batch
 
 VARIANTS = ("ours, overlap on", "ours, overlap off", "torch DDP")
 
@@ -56,7 +60,7 @@ def measure(rank, world_size, sizes, batch, steps, bucket_mb):
 
 
 EMULATED_SIZES = (256,) + (512,) * 8 + (256,)      # the chapter's deep MLP: 2.1 M parameters
-EMULATED_PRESET, EMULATED_BATCH, EMULATED_CAP_MB = "a100-nvlink", 128, 2.0
+EMULATED_PRESET, EMULATED_BATCH, EMULATED_CAP_MB = "a100-node", 128, 2.0
 
 
 def emulated_step(rank, world_size, overlap, steps=2):
@@ -75,22 +79,28 @@ def emulated_step(rank, world_size, overlap, steps=2):
 
 def emulated(world_size):
     cluster = emulate.PRESETS[EMULATED_PRESET]
-    numels = [p.numel() for p in models.make_mlp(EMULATED_SIZES).parameters()]
-    measured, model = {}, {}
-    for overlap in (False, True):
-        steps = distlab.run(emulated_step, world_size, overlap, emulate=EMULATED_PRESET, timeout=300)
-        measured[overlap] = max(steps)
-        model[overlap] = cost.ddp_step_time(
-            numels, EMULATED_BATCH, world_size, cluster.device.peak(torch.float32),
-            cluster.device.memory_bandwidth, cluster.link_between(range(world_size)),
-            EMULATED_CAP_MB * 2 ** 20, overlap=overlap)["step"]
+    small = {overlap: max(distlab.run(emulated_step, world_size, overlap, emulate=EMULATED_PRESET,
+                                      timeout=300)) for overlap in (False, True)}
     print(f"emulated on {cluster}: MLP {EMULATED_SIZES}, {EMULATED_BATCH} samples per rank, "
           f"{world_size} ranks, bucket_cap_mb={EMULATED_CAP_MB}; forward + backward + sync")
     for overlap in (False, True):
-        print(f"  overlap {'on ' if overlap else 'off'}  emulated {measured[overlap] * 1e6:7.1f} µs, "
-              f"model {model[overlap] * 1e6:7.1f} µs")
-    print(f"overlap off/on (emulated): measured {measured[False] / measured[True]:.2f}, "
-          f"model {model[False] / model[True]:.2f}")
+        print(f"  overlap {'on ' if overlap else 'off'}  emulated {small[overlap] * 1e6:8.1f} µs")
+    print(f"overlap off/on (emulated, MLP): {small[False] / small[True]:.2f}")
+    big_cluster = emulate.PRESETS["a100-2x8"]
+    link = big_cluster.link_between(range(16))
+    big, predicted = {}, {}
+    for overlap in (False, True):
+        big[overlap] = max(r[1] for r in distlab.run(gpt_step, 16, overlap=overlap,
+                                                     emulate="a100-2x8", timeout=600))
+        alone = distlab.run(gpt_step, 1, overlap=overlap, emulate="a100-2x8")[0]
+        predicted[overlap] = predict_step(*alone, 16, link)
+    print(f"emulated on {big_cluster}: 2 GPT-3 XL blocks at real size (meta tensors), 2048 tokens "
+          f"per rank, bf16, 16 ranks, bucket_cap_mb=25")
+    for overlap in (False, True):
+        print(f"  overlap {'on ' if overlap else 'off'}  emulated {big[overlap] * 1e3:7.2f} ms, "
+              f"predicted from one rank {predicted[overlap] * 1e3:7.2f} ms")
+    print(f"overlap off/on (emulated, 16 ranks, GPT-3 XL blocks): {big[False] / big[True]:.2f}, "
+          f"predicted {predicted[False] / predicted[True]:.2f}")
 
 
 def main():

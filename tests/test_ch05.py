@@ -641,3 +641,182 @@ def test_ddp_script_accepts(fn, capsys):
 ])
 def test_ddp_script_rejects(fn, words):
     _rejected(ch05.check_ddp_script, fn, *words)
+
+
+# ---- chapter 05's performance lessons: every number its prose quotes, recomputed ----------------
+
+def _chapter_text():
+    import pathlib
+    import nbformat
+    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "05_data_parallel.ipynb"
+    cells = nbformat.read(path, as_version=4).cells
+    return " ".join("\n".join(c.source for c in cells if c.cell_type == "markdown").split())
+
+
+DEEP = (256,) + (512,) * 8 + (256,)
+
+
+def _mlp_step(rank, world_size, overlap=True):
+    """The chapter's timeline_run: the deep MLP, 128 samples per rank, 2 MiB buckets."""
+    import distlab
+    from distlab import models
+    from distlab.data_parallel import BucketedDDP
+    import torch.nn.functional as F
+    model = models.make_mlp(DEEP, seed=0)
+    ddp = BucketedDDP(model, bucket_cap_mb=2.0, overlap=overlap)
+    xb, yb = models.regression_data(n=128, in_dim=256, out_dim=256, seed=rank)
+    start = distlab.trace.now()
+    F.mse_loss(ddp(xb), yb).backward()
+    return ddp.last_timeline(), distlab.trace.now() - start
+
+
+def _straggler(rank, world_size, delay_s=1e-3, steps=2):
+    import distlab
+    from distlab import models
+    from distlab.data_parallel import BucketedDDP
+    import torch.nn.functional as F
+    model = models.make_mlp(DEEP, seed=0)
+    ddp = BucketedDDP(model, bucket_cap_mb=2.0)
+    xb, yb = models.regression_data(n=128, in_dim=256, out_dim=256, seed=rank)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for _ in range(steps):
+        if rank == 1:
+            distlab.trace.compute(delay_s, name="slow data loading")
+        opt.zero_grad()
+        F.mse_loss(ddp(xb), yb).backward()
+        opt.step()
+
+
+def test_performance_numbers_the_prose_quotes():
+    """Re-runs the chapter's emulated lessons (the multi-rank real-size steps through
+    predict_step, which equals the emulated runs: tests/test_data_parallel.py) and checks each
+    number of the cells on overlap, buckets, stragglers, speedup and accumulation."""
+    import distlab
+    from distlab import cost, emulate, models
+    from distlab.data_parallel import GPT3_XL, gpt_step, predict_step
+    text = _chapter_text()
+    P = emulate.PRESETS
+    # -- the MLP on a calibrated A100 node: launch-bound, overlap buys nothing -------------------
+    device, intra = P["a100-node"].device, P["a100-node"].intra
+    assert f"memory traffic at the measured {device.memory_bandwidth / 1e12:.1f} TB/s" in text
+    assert f"at least {device.floor * 1e6:.0f} µs per op" in text
+    assert f"on 8 A100s ({intra.bandwidth / 1e9:.0f} GB/s)" in text
+    small = {n: P[preset].link_between(range(n)).seconds("all_reduce", 4, n) * 1e6
+             for n, preset in ((2, "a100-node"), (8, "a100-node"), (64, "a100-cluster"))}
+    assert f"(≈ {small[2]:.0f}-{small[8]:.0f} µs for a small one)" in text
+    assert f"NCCL's is about {small[2]:.0f}-{small[8]:.0f} µs inside a node" in text
+    assert f"is {small[8]:.0f} µs on 8 GPUs and {small[64]:.0f} µs on 64" in text
+    mlp = models.make_mlp(DEEP)
+    assert (f"(9 layers, {sum(p.numel() for p in mlp.parameters()) / 1e6:.1f} M parameters, "
+            f"{sum(p.numel() for p in mlp.parameters()) * 4 / 2**20:.1f} MiB of fp32 gradients in "
+            f"{len(list(mlp.parameters()))} tensors)") in text
+    steps, timelines = {}, {}
+    for preset in ("a100-node", "a100-node-datasheet"):
+        for overlap in (True, False):
+            ranks = distlab.run(_mlp_step, 2, overlap=overlap, emulate=preset)
+            steps[preset, overlap] = max(r[1] for r in ranks)
+            timelines[preset, overlap] = ranks[0][0]
+    ratio = steps["a100-node", False] / steps["a100-node", True]
+    assert f"Overlap off / on is **{ratio:.2f}**" in text and f"{ratio:.2f}" == "1.00"
+    assert (f"at datasheet rates the same code shows off / on = "
+            f"{steps['a100-node-datasheet', False] / steps['a100-node-datasheet', True]:.2f}"
+            in text.replace("At datasheet", "at datasheet"))
+    assert f"it runs at {device.gemm_efficiency(128, 512, 512, torch.float32):.0%}".replace(
+        "%", " %") in text
+    buckets = timelines["a100-node", True]["buckets"]
+    transfers = [b["done"] - b["launched"] for b in buckets]
+    assert f"together {sum(transfers) / steps['a100-node', True]:.0%}".replace("%", " %") in text
+    # "each takes less time than the launch-bound copies that pack the next bucket": one copy per
+    # tensor and one division, each at least the launch floor
+    assert all(t < (len(b["names"]) + 1) * device.floor
+               for t, b in zip(transfers[:-1], buckets[1:]))
+    assert f"The {['one', 'two', 'three', 'four', 'five'][len(buckets) - 1]} all-reduces" in text
+    # -- GPT-3 XL's blocks at real size -------------------------------------------------------
+    with torch.device("meta"):
+        full = models.TinyGPT(**GPT3_XL)
+        blocks = models.TinyGPT(**dict(GPT3_XL, n_layers=2, vocab=64))
+    assert f"has {sum(p.numel() for p in full.parameters()) / 1e9:.2f} B parameters" in text
+    assert f"2 of its {GPT3_XL['n_layers']} blocks" in text
+    assert f"the full model has {GPT3_XL['n_layers'] // 2} times as many" in text
+    grad_mb = 2 * sum(p.numel() for p in blocks.parameters()) / 1e6
+    alone = {overlap: distlab.run(gpt_step, 1, overlap=overlap, emulate="a100-node")[0]
+             for overlap in (True, False)}
+    two_nodes = P["a100-2x8"].link_between(range(16))
+    one_node = P["a100-2x8"].link_between(range(8))
+    s16 = {o: predict_step(*alone[o], 16, two_nodes) for o in (True, False)}
+    s8 = {o: predict_step(*alone[o], 8, one_node) for o in (True, False)}
+    all_reduce16 = two_nodes.seconds("all_reduce", grad_mb * 1e6, 16)
+    assert (f"the {grad_mb:.0f} MB of gradients take about {all_reduce16 * 1e3:.0f} ms against a "
+            f"{alone[False][0]['backward_end'] * 1e3:.0f} ms backward") in text
+    assert s16[True] == pytest.approx(alone[True][1], rel=1e-12)       # "all of it is hidden"
+    assert f"{s16[False] / s16[True] - 1:.0%} longer on two nodes".replace("%", " %") in text
+    assert f"about {s8[False] / s8[True] - 1:.0%}".replace("%", " %") in text
+    assert f"off is {s16[False] / s16[True] - 1:.0%} slower".replace("%", " %") in text
+    # -- per tensor, buckets, one message: the whole gradient ----------------------------------
+    tensors = [p.numel() * 2 for p in full.parameters()]
+    extra = {}
+    for n, preset in ((8, "a100-node"), (64, "a100-cluster")):
+        link = P[preset].link_between(range(n))
+        per_tensor = sum(cost.predict("ring_all_reduce", s, n, link) for s in tensors)
+        one = cost.predict("ring_all_reduce", sum(tensors), n, link)
+        extra[n] = per_tensor - one
+        if n == 64:
+            ab = sum(cost.predict("ring_all_reduce", s, n, link.alpha_beta()) for s in tensors)
+            assert f"says {ab * 1e3:.0f} ms per tensor at 64 ranks" in text
+            assert 8.5 < ab / per_tensor < 11.5, "about ten times too much"
+    assert (f"costs {extra[8] * 1e3:.1f} ms more than one message on 8 GPUs, and "
+            f"{extra[64] * 1e3:.1f} ms more on 64") in text
+    # -- the bucket sweep (16 ranks, two nodes) -------------------------------------------------
+    sweep = {cap: distlab.run(gpt_step, 1, bucket_cap_mb=cap, emulate="a100-node")[0]
+             for cap in (0.001, 1000.0)}
+    tiny = sweep[0.001][0]
+    assert (f"the {len(tiny['grads'])} gradient tensors travel in {len(tiny['buckets'])} "
+            f"buckets: the head's bias, {blocks.head.bias.numel() * 2} bytes in bf16") in text
+    for cap, words in ((0.001, "the step is {:.0%} longer than at 25 MiB"),
+                       (1000.0, "before backward ends: {:.0%} longer")):
+        growth = predict_step(*sweep[cap], 16, two_nodes) / s16[True] - 1
+        assert words.format(growth).replace("%", " %") in text
+    # -- the straggler --------------------------------------------------------------------------
+    slow = distlab.run(_straggler, 3, emulate="a100-node").trace
+    waited = slow.totals(0)["waited"] - slow.totals(1)["waited"]
+    assert f"blocked {waited * 1e6:,.0f} µs longer than rank 1" in text
+    assert f"The other {(2e-3 - waited) / 2 * 1e6:.0f} µs per step is slack" in text
+    spread = slow.totals(1)["end"] - min(slow.totals(r)["end"] for r in range(3))
+    assert slow.totals(1)["end"] == max(slow.totals(r)["end"] for r in range(3))
+    assert f"within {spread * 1e6:.0f} µs of each other" in text
+    # -- speedup ---------------------------------------------------------------------------------
+    def curve(device_preset, cluster, tokens, overlap):
+        one = alone[overlap] if (device_preset, tokens) == ("a100-node", 2048) else \
+            distlab.run(gpt_step, 1, tokens=tokens, overlap=overlap, emulate=device_preset)[0]
+        cl = P[cluster]
+        return one, {n: n * one[1] / predict_step(*one, n, cl.link_between(range(n)))
+                     for n in (8, 16, 64, 128, 256)}
+    _, a100_on = curve("a100-node", "a100-cluster", 2048, True)
+    _, a100_off = curve("a100-node", "a100-cluster", 2048, False)
+    h100, h100_on = curve("h100-node", "h100-cluster", 2048, True)
+    h100_512, h100_small = curve("h100-node", "h100-cluster", 512, True)
+    assert all(a100_on[n] == pytest.approx(n) and h100_on[n] == pytest.approx(n) for n in a100_on)
+    assert (f"{a100_off[8]:.1f} at 8 GPUs, {a100_off[16]:.1f} at 16" in text
+            and f"{a100_off[256]:.0f} at 256" in text)
+    assert f"runs these blocks {alone[True][1] / h100[1]:.1f} times faster" in text
+    h100_link = P["h100-cluster"].link_between(range(16))
+    assert (f"only {all_reduce16 / h100_link.seconds('all_reduce', grad_mb * 1e6, 16):.1f} times "
+            f"faster ({h100_link.bandwidth / 1e9:.0f} GB/s against the A100s' "
+            f"{two_nodes.bandwidth / 1e9:.0f})") in text
+    assert f"backward, {h100_512[0]['backward_end'] * 1e3:.1f} ms" in text
+    assert h100_small[64] == pytest.approx(64) and h100_small[128] < 127
+    assert f"({h100_small[256]:.0f} at 256)" in text
+    assert (f"(2.1 ms across A100 nodes)" in text and f"{all_reduce16 * 1e3:.1f}" == "2.1"
+            and f"backward ({alone[True][0]['backward_end'] * 1e3:.1f} ms)" in text)
+    assert f"keep {two_nodes.bandwidth / 1e9:.0f} GB/s across A100 nodes" in text
+    assert "(nccl-tests measured 192 GB/s on two DGX A100s)" in text   # bench/published.csv
+    # -- Ethernet, and accumulation --------------------------------------------------------------
+    ethernet = P["a100-ethernet"].link_between(range(2))
+    eth = predict_step(*alone[True], 2, ethernet)
+    assert 2 * alone[True][1] / eth < 1, "2 ranks process fewer tokens per second than one"
+    eth_all_reduce = ethernet.seconds("all_reduce", grad_mb * 1e6, 2)
+    assert f"takes about {round(eth_all_reduce * 1e3, -1):.0f} ms on Ethernet" in text
+    assert round(eth_all_reduce / alone[False][0]["backward_end"]) == 4, "four times the backward"
+    # what the comparisons validate
+    assert "share formulas" in text and "critical path" in text
+    assert "(measured)" not in text and "the shape is the same" not in text

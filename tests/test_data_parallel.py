@@ -351,3 +351,52 @@ def test_bucket_checker_passes_and_demands_overlap(capsys):
                                           "finished, so nothing overlaps"):
         ch05.check_bucketed_hooks(lambda m, b, w: _hooks(m, b, w, overlap=False),
                                   world_sizes=(2,))
+
+
+# ---- predict_step: the one-rank timeline replayed on N ranks ------------------------------------
+
+class _FixedLink:
+    """A link whose all-reduce takes `per_byte` seconds per byte whatever N (a hand-made model)."""
+
+    def __init__(self, per_byte):
+        self.per_byte = per_byte
+
+    def seconds(self, op, nbytes, world_size):
+        assert op == "all_reduce"
+        return 0.0 if world_size == 1 else nbytes * self.per_byte
+
+
+def test_predict_step_replays_the_buckets_by_hand():
+    from distlab.data_parallel import predict_step
+    # one rank: bucket 0 launched at 1 s, bucket 1 at 3 s; copying back starts at 3 s (the last
+    # launch) and takes 0.5 s per bucket; the step was 5 s.
+    timeline = {"buckets": [dict(nbytes=2, launched=1.0, done=1.0, copied=3.5),
+                            dict(nbytes=4, launched=3.0, done=3.0, copied=4.0)]}
+    # 1 s per byte: bucket 0 travels 1-3 s, bucket 1 3-7 s; copies: 3-3.5, then 7-7.5 s.
+    assert predict_step(timeline, 5.0, 2, _FixedLink(1.0)) == pytest.approx(5.0 + 3.5)
+    # fast enough to hide: nothing changes
+    assert predict_step(timeline, 5.0, 2, _FixedLink(0.1)) == pytest.approx(5.0)
+
+
+def _mlp_step(rank, world_size, overlap):
+    # 2.1 M parameters against 16 samples: 8 MiB of gradients outlast backward on Ethernet
+    model = models.make_mlp((512, 2048, 512), seed=0)
+    ddp = BucketedDDP(model, bucket_cap_mb=1.0, overlap=overlap)
+    x, y = models.regression_data(n=16, in_dim=512, out_dim=512, seed=rank)
+    start = distlab.trace.now()
+    F.mse_loss(ddp(x), y).backward()
+    return ddp.last_timeline(), distlab.trace.now() - start
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_predict_step_equals_the_emulated_run(overlap):
+    """The replay of one rank's emulated timeline is the emulated 2-rank step, across nodes
+    (a100-ethernet: one GPU per node), where the all-reduces are long enough to matter."""
+    from distlab import emulate
+    from distlab.data_parallel import predict_step
+    alone = distlab.run(_mlp_step, 1, overlap, emulate="a100-ethernet")[0]
+    pair = distlab.run(_mlp_step, 2, overlap, emulate="a100-ethernet")
+    link = emulate.PRESETS["a100-ethernet"].link_between(range(2))
+    predicted = predict_step(*alone, 2, link)
+    assert predicted > alone[1]                        # the all-reduces cost something here
+    assert max(r[1] for r in pair) == pytest.approx(predicted, rel=1e-9)

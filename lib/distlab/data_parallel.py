@@ -13,6 +13,10 @@ Two implementations, the second an optimisation of the first:
 
 Both equal single-process training on the global batch, because the mean of the ranks' mean
 losses over equal shards IS the mean loss over the whole batch, and gradients are linear.
+
+For the performance lessons: `gpt_step` runs a step of GPT-3 XL's blocks at real size on the
+meta device (under emulation), and `predict_step` replays a one-rank BucketedDDP timeline with
+each bucket's all-reduce on N ranks' link: the step the code's critical path gives.
 """
 import contextlib
 
@@ -72,12 +76,12 @@ class Bucket:
         self.buffer = torch.zeros(self.numel, dtype=params[0].dtype, device=params[0].device)
         self.pending = set()
         self.work = None
-        self.ready_at = self.launched_at = self.done_at = None
+        self.ready_at = self.launched_at = self.done_at = self.copied_at = None
 
     def reset(self):
         self.pending = {id(p) for p in self.params}
         self.work = None
-        self.ready_at = self.launched_at = self.done_at = None
+        self.ready_at = self.launched_at = self.done_at = self.copied_at = None
 
     def nbytes(self):
         return self.numel * self.buffer.element_size()
@@ -226,14 +230,81 @@ class BucketedDDP(nn.Module):
                 n = p.numel()
                 p.grad.copy_(b.buffer[offset:offset + n].view_as(p.grad))
                 offset += n
+            b.copied_at = now()
 
     def last_timeline(self):
-        """What the last synced backward did, in seconds since it started."""
+        """What the last synced backward did, in seconds since it started: when each gradient
+        was ready; for each bucket when it was full (`ready`), sent (`launched`), averaged
+        (`done`) and copied back into p.grad (`copied`)."""
         t0 = self._backward_started
         return {
             "grads": [(name, t - t0) for name, t in self._grad_times],
             "buckets": [dict(index=b.index, names=list(b.names), nbytes=b.nbytes(),
                              ready=b.ready_at - t0, launched=b.launched_at - t0,
-                             done=b.done_at - t0) for b in self.buckets],
+                             done=b.done_at - t0, copied=b.copied_at - t0)
+                        for b in self.buckets],
             "backward_end": max(t for _, t in self._grad_times) - t0,
         }
+
+
+# ---- the step on N ranks, predicted from a run on one --------------------------------------------
+
+def predict_step(timeline, step, world_size, link):
+    """Seconds of a BucketedDDP step on `world_size` ranks, predicted from one rank's run.
+
+    `timeline` (BucketedDDP.last_timeline()) and `step` come from a run on ONE rank, where an
+    all-reduce costs nothing: they say when each bucket was launched (overlap on: during
+    backward, as soon as it was full and packed; off: after backward) and how long copying its
+    averaged values back into p.grad took. On N ranks each bucket's all-reduce takes
+    `link.seconds("all_reduce", bytes, N)`, one bucket at a time on the link, in launch order
+    (every rank issues them in the same order), and a bucket is copied back once it has
+    arrived and the bucket before it is copied:
+
+        end_i    = max(launched_i, end_{i-1}) + all_reduce_i(N)
+        copied_i = max(end_i, copied_{i-1}) + (its copy-back time on one rank)
+
+    (copying back begins once the last bucket is launched).
+
+    The step grows by how much later the last copy ends than on one rank. It charges the
+    emulator's own link formulas: agreement with an emulated run checks that the code's
+    critical path (hook order, bucket launch order, what waits for what) is this one; it says
+    nothing about hardware."""
+    # Copying back starts once backward has ended and the last bucket is launched.
+    copying = max(bucket["launched"] for bucket in timeline["buckets"])
+    end, copied, copied_alone = 0.0, copying, copying
+    for bucket in timeline["buckets"]:
+        copy_back = bucket["copied"] - max(bucket["done"], copied_alone)
+        copied_alone = bucket["copied"]
+        end = max(bucket["launched"], end) + link.seconds("all_reduce", bucket["nbytes"],
+                                                           world_size)
+        copied = max(end, copied) + copy_back
+    return step + max(0.0, copied - copied_alone)
+
+
+# ---- a real-size step on the meta device (chapter 05's performance lessons) ----------------------
+
+# GPT-3 XL's shape (Brown et al. 2020, "Language Models are Few-Shot Learners", table 2.1:
+# 24 layers, d_model 2048, context 2048; 1.3B parameters) as distlab.models.TinyGPT builds it:
+# GPT-2's vocabulary (50257), learned positions, an untied head, 16 heads of 128, a 4·d GELU MLP.
+GPT3_XL = dict(vocab=50257, d_model=2048, n_heads=16, n_layers=24, seq_len=2048)
+
+
+def gpt_step(rank, world_size, layers=2, tokens=2048, vocab=64, overlap=True, bucket_cap_mb=25.0,
+             micro=1, dtype=torch.bfloat16):
+    """One data-parallel step (forward, backward, bucketed gradient all-reduce) of `layers`
+    GPT-3 XL blocks at their real size, `tokens` tokens per rank per micro-batch, on the meta
+    device (shapes only: run it under `distlab.run(..., emulate=...)`). `vocab`: 64 keeps the
+    embedding and head small, so the blocks are what is timed (GPT3_XL["vocab"]: the real
+    model's). With micro > 1, gradient accumulation: micro-1 backward passes inside no_sync.
+    Returns (BucketedDDP.last_timeline(), the step's seconds on this rank's clock)."""
+    from .models import TinyGPT, lm_loss
+    with torch.device("meta"):
+        model = TinyGPT(**dict(GPT3_XL, n_layers=layers, vocab=vocab)).to(dtype)
+        ids = torch.randint(vocab, (1, tokens))
+    # broadcast=False: meta tensors have no values to copy, and the step is what is timed
+    ddp = BucketedDDP(model, bucket_cap_mb=bucket_cap_mb, overlap=overlap, broadcast=False)
+    start = now()
+    for i in range(micro):
+        with ddp.no_sync() if i < micro - 1 else contextlib.nullcontext():
+            lm_loss(ddp(ids).float(), ids).backward()
+    return ddp.last_timeline(), now() - start
