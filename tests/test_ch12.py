@@ -166,3 +166,91 @@ def test_attention_by_all_gather_is_refused_though_its_numbers_are_right():
 def test_ring_attention_calling_the_course_is_refused():
     with pytest.raises(CheckFailed, match="course's own ring_attention"):
         ch12.check_ring_attention(attention_by_the_course)
+
+
+# ---- ring attention's backward -------------------------------------------------------------------
+
+def _block_grads(q, bk, bv, q_pos, bpos, out, lse, grad_out):
+    """One block's share, written with -inf scores and softmax-style exponentials."""
+    s = (q @ bk.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(bpos[None, :] > q_pos[:, None], -math.inf)
+    p = (s - lse[..., None]).exp()
+    dp = grad_out @ bv.transpose(-2, -1)
+    ds = p * (dp - (grad_out * out).sum(-1)[..., None])
+    c = 1 / math.sqrt(q.shape[-1])
+    return ds @ bk * c, ds.transpose(-2, -1) @ q * c, p.transpose(-2, -1) @ grad_out
+
+
+def backward_gradients_one_hop_behind(q, k, v, positions, out, lse, grad_out):
+    """K, V and positions make N - 1 hops; the gradients follow in their own hops, N of them."""
+    n = dist.get_world_size()
+    q_pos = positions.to(torch.float64)
+    block, dq, grads = [k, v, q_pos], torch.zeros_like(q), None
+    for step in range(n):
+        gq, gk, gv = _block_grads(q, *block[:2], q_pos, block[2], out, lse, grad_out)
+        dq = dq + gq
+        grads = [gk, gv] if grads is None else [grads[0] + gk, grads[1] + gv]
+        grads = hop_with_parity(grads)
+        if step < n - 1:
+            block = hop_with_parity(block)
+    return dq, grads[0], grads[1]
+
+
+def backward_keeping_gradients_at_home(q, k, v, positions, out, lse, grad_out):
+    """dq right, but every block's dK/dV only from its owner's queries: nothing travels back."""
+    n = dist.get_world_size()
+    q_pos = positions.to(torch.float64)
+    block, dq = [k, v, q_pos], torch.zeros_like(q)
+    dk, dv = None, None
+    for step in range(n):
+        gq, gk, gv = _block_grads(q, *block[:2], q_pos, block[2], out, lse, grad_out)
+        dq = dq + gq
+        if step == 0:
+            dk, dv = gk, gv
+        if step < n - 1:
+            block = hop_with_parity(block)
+    return dq, dk, dv
+
+
+def backward_by_autograd_on_gathered(q, k, v, positions, out, lse, grad_out):
+    """Right numbers: every rank gathers the whole sequence and differentiates it densely."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    whole = []
+    for t in (q, k, v, positions, grad_out):
+        parts = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(parts, t.contiguous())
+        whole.append(torch.cat(parts, dim=-2 if t.dim() > 1 else 0))
+    fq, fk, fv = (t.clone().requires_grad_() for t in whole[:3])
+    pos = whole[3]
+    s = fq @ fk.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(pos[None, :] > pos[:, None], -math.inf)
+    (torch.softmax(s, -1) @ fv).backward(whole[4])
+    mine = slice(rank * q.shape[-2], (rank + 1) * q.shape[-2])
+    return fq.grad[:, :, mine], fk.grad[:, :, mine], fv.grad[:, :, mine]
+
+
+def backward_by_the_course(q, k, v, positions, out, lse, grad_out):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    cp.ring_attention(q, k, v, positions, causal=True).backward(grad_out)
+    return q.grad, k.grad, v.grad
+
+
+def test_ring_backward_written_differently_passes(capsys):
+    ch12.check_ring_backward(backward_gradients_one_hop_behind)
+    assert "✅" in capsys.readouterr().out
+
+
+def test_ring_backward_that_keeps_gradients_at_home_is_refused_with_the_reason():
+    with pytest.raises(CheckFailed, match=r"dk with world_size=3, rank 0 .* though dq is right"
+                                          r".*come home — N = 3 hops"):
+        ch12.check_ring_backward(backward_keeping_gradients_at_home)
+
+
+def test_ring_backward_by_gathering_everything_is_refused():
+    with pytest.raises(CheckFailed, match="called all_gather; ring attention's backward uses only"):
+        ch12.check_ring_backward(backward_by_autograd_on_gathered)
+
+
+def test_ring_backward_calling_the_course_is_refused():
+    with pytest.raises(CheckFailed, match="course's own ring_attention"):
+        ch12.check_ring_backward(backward_by_the_course)

@@ -1,5 +1,5 @@
-"""Checkers of workbook 12: the online-softmax merge, one ring hop, and ring attention built from
-them.
+"""Checkers of workbook 12: the online-softmax merge, one ring hop, ring attention built from
+them, and ring attention's backward (the chapter shows the course's, not this one).
 
 The merge is checked in this process on small hand-made partials (including rows that saw no
 key at all); the ring hop and the ring attention run on real ranks at world sizes 3 and 5, where
@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from . import CheckFailed, call_learner, compare, forbid, passed, run_learner, sizes_phrase
+from . import (CheckFailed, call_learner, compare, first_difference, forbid, passed, run_learner,
+               sizes_phrase)
 from .. import context_parallel as cp
 
 WORLD_SIZES = (3, 5)
@@ -146,3 +147,62 @@ def check_ring_attention(attention):
         _check_ring_messages(t, n, sent, "ring attention")
     passed(f"ring attention equals dense causal attention on {sizes_phrase(WORLD_SIZES)} ranks, "
            f"with K/V blocks passed only to the right neighbour.")
+
+
+# ---- exercise 4: ring attention's backward -------------------------------------------------------
+
+def _dense_grads(seq_len):
+    """Dense causal attention in float64 over one seeded sequence: inputs, dO, output, the
+    log-sum-exp of every query, and the gradients dq, dk, dv."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v, grad_out = (torch.randn(1, 2, seq_len, 4, dtype=torch.float64, generator=g)
+                         for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = cp.dense_attention(*leaves, causal=True)
+    out.backward(grad_out)
+    pos = torch.arange(seq_len, dtype=torch.float64)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    lse = torch.logsumexp(scores.masked_fill(pos[None, :] > pos[:, None], -math.inf), dim=-1)
+    return (q, k, v, grad_out, out.detach(), lse), [t.grad for t in leaves]
+
+
+def _backward_rank(rank, world_size, ring_backward, seq_len):
+    positions = cp.zigzag_positions(seq_len, rank, world_size)
+    (q, k, v, grad_out, out, lse), _ = _dense_grads(seq_len)
+    mine = [t[:, :, positions].contiguous() for t in (q, k, v)]
+    with forbid(*COURSE, exercise="write the backward ring yourself"):
+        got = ring_backward(*mine, positions, out[:, :, positions].contiguous(),
+                            lse[:, :, positions].contiguous(), grad_out[:, :, positions].contiguous())
+    return positions, got
+
+
+def check_ring_backward(ring_backward):
+    """ring_backward(q, k, v, positions, out, lse, grad_out) -> (dq, dk, dv) of this rank's
+    block under causal attention, the blocks (and their gradients) passed around the ring."""
+    for n in WORLD_SIZES:
+        seq_len = 4 * n
+        _, expected = _dense_grads(seq_len)
+        results = run_learner(_backward_rank, n, ring_backward, seq_len,
+                              name="ring_backward", trace=True, timeout=20)
+        for rank, (positions, got) in enumerate(results):
+            if not isinstance(got, (tuple, list)) or len(got) != 3:
+                raise CheckFailed(f"ring_backward must return (dq, dk, dv); rank {rank} returned "
+                                  f"{type(got).__name__} {got!r:.80}.")
+            where = f"world_size={n}, rank {rank} (tokens {positions.tolist()})"
+            compare(got[0], expected[0][:, :, positions], f"dq with {where}", 1e-10, 1e-10)
+            for name, g, e in (("dk", got[1], expected[1]), ("dv", got[2], expected[2])):
+                if first_difference(g, e[:, :, positions], 1e-10, 1e-10):
+                    raise CheckFailed(
+                        f"{name} with {where} is not the dense gradient, though dq is right: "
+                        f"every rank's queries add to every block's key and value gradients, so "
+                        f"those must travel with the block and come home — N = {n} hops, one more "
+                        f"than K and V need — before you return them "
+                        f"({first_difference(g, e[:, :, positions], 1e-10, 1e-10)}).")
+        t = results.trace
+        sent = len(t.sends(0))
+        _check_ring_messages(t, n, sent, "ring attention's backward")
+        if sent < 2 * n:
+            raise CheckFailed(f"on {n} ranks rank 0 sent {sent} messages; a block's dK and dV "
+                              f"must make N = {n} hops to come home (2 tensors a hop at least).")
+    passed(f"ring attention's backward equals dense causal attention's gradients on "
+           f"{sizes_phrase(WORLD_SIZES)} ranks; the block gradients came home around the ring.")
