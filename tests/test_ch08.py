@@ -394,5 +394,17 @@ def test_real_size_bubble_numbers_the_prose_quotes():
     # ZB-H1 keeps well below 1F1B
     assert ps.bubble_fraction(runs["ZB-H1", "h100-node"]) < 0.75 * ps.bubble_fraction(
         runs["1F1B", "h100-node"])
+    # beside Qi et al.'s table 9 (the chapter's PUBLISHED: T_F, T_B = I, T_W, T_comm in ms)
+    published = [(18.522, 18.086, 9.337, 0.601), (29.718, 29.444, 19.927, 0.527),
+                 (11.347, 11.248, 8.132, 0.377), (10.419, 10.207, 7.715, 0.408)]
+    ratios = [(i + w) / f for f, i, w, _ in published]
+    assert f"(I + W)/F between {min(ratios):.2f} and {max(ratios):.2f} in the paper, " \
+           f"{(t_i + t_w) / t_f:.2f} here" in text
+    assert f"Megatron-LM on A100s: {min(ratios):.1f} to {max(ratios):.1f})" in text   # summary
+    zb = [ps.zb_h1_bubble(4, 8, f, i, w) for f, i, w, _ in published]
+    assert f"gives {min(zb):.3f} to {max(zb):.3f}, with this model's " \
+           f"{ps.zb_h1_bubble(4, 8, t_f, t_i, t_w):.3f}" in text
+    assert all(w <= min(f, i) for f, i, w, _ in published)     # the closed form applies
+    assert all(0.01 < c / f < 0.05 for f, _, _, c in published)
     assert "they share their formulas" in text or "share their formulas" in text
     assert "(measured)" not in text
