@@ -476,6 +476,9 @@ def _published(kind):
 def test_ch03_latency_floor_and_bandwidth_numbers_are_the_models():
     from distlab import cost, hardware
     text = _chapter_text()
+    # section 1: the naive root's bytes for 1 GB on 64 GPUs
+    assert cost.terms("naive_all_reduce", 1e9, 64)[1] / 1e9 == 126
+    assert "that is 126 GB through one port" in text
     nvlink = hardware.PRESETS["h100-node"].intra
     floor = nvlink.seconds("all_reduce", 8, 8)
     ring = cost.predict("ring_all_reduce", 8, 8, nvlink.alpha_beta())
