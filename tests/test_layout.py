@@ -245,3 +245,22 @@ def test_rank_layouts_on_the_calibrated_model():
         layout.price("Llama-2 13B", 4, 1, 8, cluster="h900")
     with pytest.raises(ValueError, match=r"unknown model 'Llama-9'"):
         layout.price("Llama-9", 4, 1, 8)
+
+
+def test_pipeline_messages_scatter_gather_and_isend():
+    kw = dict(dp=1, pp=4, tp=8, global_batch=16, seq_len=4096, checkpointing="none",
+              cluster="h100-cluster")
+    link = H100.link_between([0, 8])                       # stage to stage: the next node
+    act = 2 * 4096 * 8192
+    m = 16
+    sg = layout.price("Llama-2 70B", **kw)
+    whole = layout.price("Llama-2 70B", scatter_gather=False, **kw)
+    # Narayanan et al. 2021 §4.1: 1/tp of the activation per message with scatter/gather
+    assert sg["pp_s"] == pytest.approx(2 * (m + 3) * link.seconds("send", act / 8, 2))
+    assert whole["pp_s"] == pytest.approx(2 * (m + 3) * link.seconds("send", act, 2))
+    # isend: the fill and drain's 2·(pp − 1) wait; the others hide behind a micro-batch
+    hidden = layout.price("Llama-2 70B", scatter_gather=False, overlap_pp=True, **kw)
+    chunk = (hidden["compute_s"] - hidden["head_s"]) / m
+    one = link.seconds("send", act, 2)
+    assert hidden["pp_s"] == pytest.approx(2 * 3 * one + 2 * m * max(0.0, one - chunk))
+    assert hidden["pp_s"] < whole["pp_s"]

@@ -31,14 +31,17 @@ Time of one step (every term a function below, each pinned by tests/test_layout.
   model chunks per stage (`interleave`; Narayanan et al. 2021 §2.2) — the steady state runs at
   the slowest stage (the last, with the head), the fill and drain through the others;
 - tensor parallel: 2 all-reduces of s·b·h per layer in forward, 2 in backward, 2 more when full
-  recompute reruns the forward (6 instead of 4; Korthikanti et al. 2022 §5); with sequence
+  recompute reruns the forward (6 instead of 4: the recomputed forward repeats its two;
+  Korthikanti et al. 2022); with sequence
   parallelism each all-reduce is an all-gather plus a reduce-scatter of the same bytes;
   vocab-parallel embedding and head add one all-reduce each (Shoeybi et al. 2019 §3);
   `overlap_tp`: hidden behind the layer's GEMMs as far as they last, else exposed;
 - context parallel (ring attention, chapter 12): cp − 1 hops of this rank's K, V blocks forward
   (K, V, dK, dV backward), `overlap_cp`: hidden behind the attention that waits for them as
   far as it lasts;
-- pipeline: 2·(v·m + pp − 1) stage-to-stage messages of s·b·h/tp on the critical path;
+- pipeline: 2·(v·m + pp − 1) stage-to-stage messages of s·b·h/tp on the critical path
+  (`scatter_gather`; of s·b·h without it); `overlap_pp` (isend): only the fill's and the
+  drain's 2·(pp − 1), and whatever of the others outlasts a micro-batch's compute;
 - data parallel: the bf16 gradients reduced over the dp·cp ranks holding the same shard, in
   buckets (25 MiB, DDP's default); `overlap_dp`: every bucket but the last hides behind the last
   micro-batch's backward (the only backward that produces final gradients), else all exposed;
@@ -56,7 +59,7 @@ import math
 
 import torch
 
-from . import cost, hardware, memory
+from . import hardware, memory
 from .emulate import comm_seconds
 
 _BF16 = torch.bfloat16
@@ -140,9 +143,9 @@ def layer_gemms(shape, tokens, tp):
 
 def attention_flops(shape, seq_len, batch, tp=1, cp=1, causal=True):
     """Forward FLOPs of one layer's attention core on one rank: Q·Kᵀ and P·V, 2·s·s·h each per
-    sequence (Narayanan et al. 2021 §5.1: 4·b·s²·h per layer), 1/tp of the heads, 1/cp of the
-    queries against every key, and half of the blocks when the mask is causal (a flash kernel
-    skips the masked ones: Dao 2023 §4.1)."""
+    sequence (4·b·s²·h per layer, the attention term of Narayanan et al. 2021's eq. (3)), 1/tp
+    of the heads, 1/cp of the queries against every key, and half of the blocks when the mask
+    is causal (a flash kernel skips the masked ones: Dao 2023 §4.1)."""
     return 4.0 * batch * seq_len * seq_len * shape.hidden / (tp * cp) * (0.5 if causal else 1.0)
 
 
@@ -242,7 +245,7 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
           sequence_parallel=True, interleave=1, overlap_dp=True, overlap_tp=False,
           overlap_cp=True, vocab_parallel=True, attention="flash", fused=True, sustained=None,
           optimizer="adam", bucket_bytes=BUCKET_BYTES, dp_messages=None, schedule="1f1b",
-          dropout=False):
+          dropout=False, scatter_gather=True, overlap_pp=False):
     """Seconds per step (split into compute, bubble, tp, cp, pp, dp, optimizer) and GB per GPU
     (peak and steady) of one layout, on the calibrated `cluster` (a preset name or a
     hardware.Cluster).
@@ -254,7 +257,10 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     reduction uses (default: its bytes in `bucket_bytes` buckets). `value_bytes`: bytes of one
     activation or gradient value. `mfu`: the old planner's fixed fraction of `peak_flops`
     instead of the calibrated device (kept to show the difference). `intra`/`inter`: links that
-    replace the cluster's. `dropout`: Korthikanti's dropout masks (Llama trains without)."""
+    replace the cluster's. `dropout`: Korthikanti's dropout masks (Llama trains without).
+    `scatter_gather`: stage-to-stage messages of 1/tp of the activation (Megatron's
+    optimisation), else the whole activation from every tp rank (the course's train_step).
+    `overlap_pp`: messages sent asynchronously (isend), hidden behind the next micro-batch."""
     shape, n = shape_of(model)
     cluster = _cluster(cluster, gpus_per_node, intra, inter)
     dev = cluster.device
@@ -363,7 +369,18 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     pp_time = 0.0
     if pp > 1:
         pp_link = cluster.link_between([0, cp * tp])
-        pp_time = 2 * (v * m + pp - 1) * comm_seconds("send", act_bytes / tp, 2, pp_link)
+        # Megatron's scatter/gather: each tp rank sends 1/tp of the (replicated) activation and
+        # the next stage all-gathers it over NVLink (Narayanan et al. 2021 §4.1); without it
+        # every tp rank sends the whole activation
+        message = act_bytes / tp if scatter_gather else act_bytes
+        one = comm_seconds("send", message, 2, pp_link)
+        if overlap_pp:
+            # sent asynchronously: each hides behind the stage's next micro-batch (chunk) as far
+            # as that lasts; the fill's and the drain's 2·(pp − 1) are waited for
+            chunk = (compute - head_s) / (m * v)
+            pp_time = 2 * (pp - 1) * one + 2 * v * m * max(0.0, one - chunk)
+        else:
+            pp_time = 2 * (v * m + pp - 1) * one
 
     # the steady state runs at the slowest stage (the last: it has the head); the fill and
     # drain add one micro-batch (1/v of one with v chunks) through each OTHER stage: their

@@ -154,6 +154,13 @@ def train_step(stage, mesh, x, y, n_micro, lr):
         # Plain SGD as torch.optim.SGD computes it (building one imports torch._dynamo: seconds).
         for p in stage.parameters():
             p.add_(p.grad, alpha=-lr)
+    if total.is_meta:
+        # A full-size run on meta tensors (bench/planner.py, chapter 10): the loss's two
+        # collectives are charged as in a real run, but there is no value to read.
+        loss = total if mesh.p == mesh.pp - 1 else torch.zeros_like(total)
+        dist.all_reduce(loss, group=mesh.get_group("pp"))
+        dist.all_reduce(loss, group=mesh.get_group("dp"))
+        return loss
     return global_loss(total, mesh)
 
 
@@ -162,8 +169,6 @@ def global_loss(shard_loss, mesh):
     loss = shard_loss.clone() if mesh.p == mesh.pp - 1 else torch.zeros_like(shard_loss)
     dist.all_reduce(loss, group=mesh.get_group("pp"))
     dist.all_reduce(loss, group=mesh.get_group("dp"))
-    if loss.is_meta:        # a full-size run on meta tensors (bench/planner.py): no value to read
-        return loss / mesh.dp
     return loss.item() / mesh.dp
 
 
