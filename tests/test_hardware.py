@@ -147,3 +147,18 @@ def test_the_first_presets_have_calibrated_twins_of_the_same_shape():
         assert (cluster.inter is None) == (old.inter is None)
     ring = calibrated["a100-ethernet"].inter.alpha_beta()
     assert isinstance(ring, cost.Link) and ring.alpha == pytest.approx(10e-6) and ring.bandwidth == 10e9
+
+
+def test_an_all_to_all_across_nodes_goes_through_each_members_own_nics():
+    """A ring across nodes spreads over k NICs (min(NVLink, k × NIC)); an all_to_all's bytes
+    for other nodes leave through the member's own NIC share, its node's bytes over NVLink."""
+    two = hardware.PRESETS["h100-2x8"]
+    link = two.link_between(range(16))
+    size = 128 << 20
+    remote = size * 8 / 16 / hardware.IB_NDR.bandwidth        # half its bytes, one NIC each
+    local = size * 7 / 16 / hardware.NVLINK4.bandwidth
+    assert link.seconds("all_to_all", size, 16) == pytest.approx(
+        link.latency + link.hop + max(remote, local))
+    assert link.seconds("all_to_all", size, 16) > 3 * link.bandwidth ** -1 * size * 15 / 16
+    from distlab.expert_parallel import all_to_all_seconds
+    assert all_to_all_seconds(size, 16, two) == link.seconds("all_to_all", size, 16)

@@ -277,16 +277,11 @@ def all_to_all_seconds(nbytes, world_size, cluster):
     Inside a node: the node link's own model. Across nodes the traffic has two levels: the share
     for ranks on other nodes leaves through this GPU's own NIC (one NIC per GPU, as in DGX
     nodes), the share for its node's ranks over NVLink, both at once: the longer one sets the
-    time. (A ring crossing nodes gets min(NVLink, k NICs) — `Cluster.link_between` — but an
-    all-to-all cannot spread one GPU's cross-node bytes over its neighbours' NICs without
-    forwarding them over NVLink first, which is what DeepEP's kernels do at the same NIC rate.)"""
+    time. (A ring crossing nodes gets min(NVLink, k NICs), but an all-to-all cannot spread one
+    GPU's cross-node bytes over its neighbours' NICs without forwarding them over NVLink first,
+    which is what DeepEP's kernels do at the same NIC rate.) The emulator charges the same
+    link (`Cluster.link_between`)."""
     from .emulate import resolve
     cluster = resolve(cluster)
-    per_node = min(world_size, cluster.ranks_per_node)
-    if cluster.inter is None or world_size <= per_node:
-        return cluster.intra.seconds("all_to_all", nbytes, world_size)
-    link = cluster.link_between(range(world_size))
-    local = nbytes * (per_node - 1) / world_size         # to the other GPUs of this node
-    remote = nbytes * (world_size - per_node) / world_size
-    return link.latency + (world_size // per_node - 1) * link.hop + max(
-        local / cluster.intra.bandwidth, remote / cluster.inter.bandwidth)
+    # the link the emulator charges (distlab.hardware.GroupLink's two-level all_to_all)
+    return cluster.link_between(range(world_size)).seconds("all_to_all", nbytes, world_size)

@@ -301,9 +301,16 @@ class Link:
 @dataclass(frozen=True)
 class GroupLink(Link):
     """What a group that spans nodes sees: NCCL's cross-node latency (intra steps on NVLink,
-    inter steps on the network) and min(intra-node busbw, k × NIC busbw), k members per node."""
+    inter steps on the network) and min(intra-node busbw, k × NIC busbw), k members per node.
+
+    An all_to_all is not a ring: each member's bytes for other nodes leave through the NICs its
+    node gives it (`member_nic`: k NICs shared by the node's members), its bytes for its own
+    node's members over NVLink (`intra_bandwidth`), both at once — the longer sets the time.
+    (DeepEP's kernels forward over NVLink to reach a NIC and get the same NIC rate.)"""
     nodes: int = 1
     intra_hop: float = 0.0
+    intra_bandwidth: float = None
+    member_nic: float = None
 
     def seconds(self, op, nbytes, world_size):
         if op not in _TERM:
@@ -312,6 +319,13 @@ class GroupLink(Link):
             return Link.seconds(self, op, nbytes, world_size)
         _, volume = TERMS[_TERM[op]](nbytes, world_size)
         per_node = max(1, world_size // self.nodes)
+        if _TERM[op] == "all_to_all" and self.member_nic:
+            local = nbytes * (per_node - 1) / world_size
+            remote = nbytes * (world_size - per_node) / world_size
+            steps_out = self.nodes - 1
+            # grouped sends to every peer at once (NCCL's all_to_all): no ring of steps inside
+            return (self.latency + steps_out * self.hop + max(local / (self.intra_bandwidth or self.bandwidth),
+                          remote / self.member_nic))
         if _TERM[op] == "ring_all_reduce":
             # NCCL's tree (low-latency protocol) for small all_reduces across nodes: up and down
             # the chain inside each node, and log2(nodes) network hops each way.
@@ -428,7 +442,8 @@ class Cluster:
             f"{len(nodes)} nodes × {per_node} ({k} NIC{'s' if k > 1 else ''} each)",
             min(self.intra.bandwidth, k * self.inter.bandwidth), self.inter.latency,
             self.inter.hop, self.inter.p2p_latency, None, None, self.inter.source,
-            nodes=len(nodes), intra_hop=self.intra.hop)
+            nodes=len(nodes), intra_hop=self.intra.hop, intra_bandwidth=self.intra.bandwidth,
+            member_nic=k * self.inter.bandwidth / per_node)
 
     def ideal(self):
         """The same cluster at datasheet rates (no launch floor, GEMMs at peak, line rate)."""
