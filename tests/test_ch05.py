@@ -716,6 +716,11 @@ def test_performance_numbers_the_prose_quotes():
             ranks = distlab.run(_mlp_step, 2, overlap=overlap, emulate=preset)
             steps[preset, overlap] = max(r[1] for r in ranks)
             timelines[preset, overlap] = ranks[0][0]
+            if (preset, overlap) == ("a100-node", True):
+                # the construction broadcast, one per tensor, before the step
+                casts = [e for e in ranks.trace.comm(0) if e["op"] == "broadcast"]
+                took = casts[-1]["end"] - casts[0]["start"]
+                assert f"({len(casts)} broadcasts, {took * 1e6:.0f} µs;" in text
     ratio = steps["a100-node", False] / steps["a100-node", True]
     assert f"Overlap off / on is **{ratio:.2f}**" in text and f"{ratio:.2f}" == "1.00"
     assert (f"at datasheet rates the same code shows off / on = "
