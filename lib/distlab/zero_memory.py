@@ -116,7 +116,7 @@ def llama_activations(seq_len, batch, hidden, heads, ffn, bytes_per_value=2, rec
     }
 
 
-# ---- peak memory, moment by moment ----------------------------------------------------------------
+# ---- peak memory, moment by moment ------------------------------------------------------------
 
 def zero3_peak(units, states, prefetch=False, flowing=0.0, loss=0.0):
     """The peak of a ZeRO-3 step over a stack of units run in order, and when it happens.
@@ -257,7 +257,7 @@ class PeakTracker:
         return False
 
 
-# ---- ZeRO-3's time per block, closed form ----------------------------------------------------------
+# ---- ZeRO-3's time per block, closed form ----------------------------------------------------
 
 def zero3_block_seconds(cluster, world_size, tokens, shape=None, dtype=torch.bfloat16):
     """{"gather", "forward", "backward", "reduce_scatter"}: modeled seconds of one Llama block
