@@ -77,6 +77,10 @@ def test_the_datasheet_variant_shows_the_gap():
         == pytest.approx(2 * 8192 ** 3 / 989e12)
     assert ideal.intra.bandwidth == 450e9
     assert emulate.PRESETS["h100-node-datasheet"] is ideal
+    # never slower than the calibrated node, all_reduce (NVLS) included
+    calibrated = hardware.PRESETS["h100-node"].intra
+    for op in ("all_reduce", "all_gather"):
+        assert ideal.intra.seconds(op, 1 << 30, 8) < calibrated.seconds(op, 1 << 30, 8)
 
 
 @pytest.mark.parametrize("make, words", [

@@ -34,9 +34,22 @@ import shutil
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported when a checkpoint is first touched: ≈ 1.5 CPU-s,
+    paid by every torchrun worker and rank that imports distlab.train even to be refused."""
+    import torch.distributed.checkpoint as dcp
+    return dcp
+
+
+def _reader(path):
+    return _dcp().FileSystemReader(path)
+
+
+def _failed():
+    from torch.distributed.checkpoint.api import CheckpointException
+    return CheckpointException
 
 from .parallel3d import _unshard
 
@@ -80,7 +93,7 @@ def damage(path):
         return (f"{path} has no .metadata file, so the save that wrote it never finished; "
                 f"{_ELSE}")
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = _reader(path).read_metadata()
     except Exception as e:                # garbage unpickles into any error; say which
         return f"{path}/.metadata is not DCP metadata ({type(e).__name__} reading it); {_ELSE}"
     if not isinstance(metadata, Metadata) or "meta" not in metadata.state_dict_metadata:
@@ -129,7 +142,7 @@ def save(folder, step, stage, mesh, optimizer=None, meta=None):
     state[f"rng.{dist.get_rank()}"] = torch.get_rng_state()
     state["meta"] = json.dumps(dict(meta or {}, step=step))
     name = _fresh_name(folder, step)
-    dcp.save(state, checkpoint_id=os.path.join(folder, name))
+    _dcp().save(state, checkpoint_id=os.path.join(folder, name))
     dist.barrier()                              # every rank's file is whole ...
     if dist.get_rank() == 0:                    # ... before the checkpoint counts
         _point_latest_at(folder, name)
@@ -179,7 +192,7 @@ def _point_latest_at(folder, name):
 
 def mismatch(path, dense_model, optimizer=None):
     """A sentence saying why the checkpoint at `path` cannot continue this run, or None."""
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = _reader(path).read_metadata().state_dict_metadata
     mine = dense_model.state_dict()
     names = {k[len("model."):] for k in saved if k.startswith("model.")}
     if names != set(mine):
@@ -209,8 +222,8 @@ def read_meta(path):
     """Collective: the meta of the checkpoint at `path` alone (step, losses, the run's settings)."""
     want = {"meta": ""}
     try:
-        dcp.load(want, checkpoint_id=path)
-    except CheckpointException as e:
+        _dcp().load(want, checkpoint_id=path)
+    except _failed() as e:
         raise _unreadable(path, e) from None
     return json.loads(want["meta"])
 
@@ -229,13 +242,13 @@ def load(path, stage, mesh, optimizer=None):
     if optimizer is not None:
         want["optim.step"] = torch.tensor(0)
     rng = f"rng.{dist.get_rank()}"
-    has_rng = rng in FileSystemReader(path).read_metadata().state_dict_metadata
+    has_rng = rng in _reader(path).read_metadata().state_dict_metadata
     if has_rng:
         want[rng] = torch.get_rng_state()
     want["meta"] = ""
     try:
-        dcp.load(want, checkpoint_id=path)      # reads only the keys asked for
-    except CheckpointException as e:            # on every rank: DCP gathers the failures
+        _dcp().load(want, checkpoint_id=path)      # reads only the keys asked for
+    except _failed() as e:           # on every rank: DCP gathers the failures
         raise _unreadable(path, e) from None
     with torch.no_grad():
         for name, p in params.items():
@@ -276,7 +289,7 @@ def read(folder_or_path):
         warnings.simplefilter("ignore")          # "assuming ... a single process": yes
         try:
             flat = _load_state_dict_from_keys(checkpoint_id=path)
-        except (Exception, CheckpointException) as e:
+        except (Exception, _failed()) as e:
             raise _unreadable(path, e) from None
     out = {"meta": json.loads(flat.pop("meta")), "model": {}, "optim": {}, "rng": {}}
     for k, v in flat.items():

@@ -284,9 +284,12 @@ class Link:
         return AlphaBeta(self.alpha, self.bandwidth, self.name)
 
     def ideal(self):
-        """The same link at its line rate, with the same latencies."""
+        """The same link at its line rate, with the same latencies. NVLink SHARP's all_reduce
+        is scaled by the same ratio (line rate / achieved ring busbw): the datasheet twin is
+        never slower than the calibrated link (an estimate: no datasheet states an NVLS rate)."""
         rate = self.datasheet or self.bandwidth
-        return replace(self, name=f"{self.name} (datasheet)", bandwidth=rate, nvls=None)
+        nvls = self.nvls * rate / self.bandwidth if self.nvls else None
+        return replace(self, name=f"{self.name} (datasheet)", bandwidth=rate, nvls=nvls)
 
     def __str__(self):
         rate = f"busbw {self.bandwidth / _GB:.3g} GB/s"
@@ -555,7 +558,7 @@ def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micr
     per_layer += [(t, h, model.ffn // tp)] * (2 if model.glu else 1) + [(t, model.ffn // tp, h)]
     item = torch.empty((), dtype=dtype).element_size()
 
-    def gemm(mm, nn, kk):
+    def gemm(mm, kk, nn):           # (tokens, in features, out features): m × k by k × n
         return dev.seconds(2.0 * mm * nn * kk, item * (mm * kk + kk * nn + mm * nn), dtype,
                            (mm, nn, kk))
 

@@ -18,7 +18,7 @@ from .cost import fit, predict, terms
 # nccl-tests names its binaries after NCCL's collectives; the model's term for each.
 _NCCL_TESTS = {"all_reduce": "ring_all_reduce", "all_gather": "ring_all_gather",
                "reduce_scatter": "ring_reduce_scatter", "alltoall": "all_to_all",
-               "broadcast": "tree_broadcast", "sendrecv": "send"}
+               "broadcast": "ring_broadcast", "sendrecv": "send"}
 
 
 @dataclass
