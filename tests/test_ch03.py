@@ -435,23 +435,16 @@ def test_hierarchical_estimate_stub_is_not_written():
         ch03.check_hierarchical_estimate(hierarchical_seconds)
 
 
-def test_every_exercise_has_two_folded_hints_and_no_dictated_algorithm():
+def test_no_exercise_statement_dictates_its_algorithm():
+    """The statement gives the task, not the algorithm: the indices live in the hints (which
+    test_exercises counts)."""
     import pathlib
     import nbformat
     path = (pathlib.Path(__file__).resolve().parent.parent / "solutions"
             / "03_collectives_from_scratch.ipynb")
-    cells = nbformat.read(path, as_version=4).cells
-    starts = [i for i, c in enumerate(cells) if c.source.startswith("## Exercise")]
-    assert len(starts) == 3
-    for i in starts:
-        hints = []
-        for c in cells[i + 1:]:
-            if c.cell_type == "code":
-                break
-            hints.append(c.source.startswith("<details><summary><b>Hint"))
-        assert sum(hints) == 2, f"{cells[i].source.splitlines()[0]}: {sum(hints)} folded hints"
-        # the statement gives the task, not the algorithm: the indices live in the hints
-        assert "(rank - step" not in cells[i].source and "mask" not in cells[i].source
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.source.startswith("## Exercise"):
+            assert "(rank - step" not in cell.source and "mask" not in cell.source
 
 
 # ---- the chapter's headline numbers, re-computed (stale prose fails) -------------------------------

@@ -349,21 +349,6 @@ def test_stubs_are_reported_as_not_written():
             check(stub)
 
 
-def test_every_exercise_has_two_folded_hints():
-    import pathlib
-    import nbformat
-    path = pathlib.Path(__file__).resolve().parent.parent / "solutions" / "09_expert_parallel.ipynb"
-    cells = nbformat.read(path, as_version=4).cells
-    starts = [i for i, c in enumerate(cells) if c.source.startswith("## Exercise")]
-    assert len(starts) == 3
-    for i in starts:
-        hints = []
-        for c in cells[i + 1:]:
-            if c.cell_type == "code":
-                break
-            hints.append(c.source.startswith("<details><summary><b>Hint"))
-        assert sum(hints) == 2, f"{cells[i].source.splitlines()[0]}: {sum(hints)} folded hints"
-
 
 # ---- chapter 09 at real size: every number its prose quotes, recomputed ---------------------------
 

@@ -90,6 +90,26 @@ def test_unsolved_exercises_fail_cleanly(path, executed_workbooks):
     assert checks >= 1, f"{path.name} has no check cell (chNN.check_...(...))"
 
 
+# Workbooks reworked for issue 29, and how many exercises each has: every one of them carries two
+# folded hints (a general one, then a more specific one) between its statement and its code.
+HINTED = {"02_collectives.ipynb": 4, "03_collectives_from_scratch.ipynb": 3,
+          "04_device_meshes.ipynb": 3, "09_expert_parallel.ipynb": 3}
+
+
+@pytest.mark.parametrize("name, exercises", HINTED.items(), ids=list(HINTED))
+def test_every_exercise_has_two_folded_hints(name, exercises):
+    cells = nbformat.read(ROOT / "solutions" / name, as_version=4).cells
+    starts = [i for i, c in enumerate(cells) if c.source.startswith("## Exercise")]
+    assert len(starts) == exercises
+    for i in starts:
+        hints = 0
+        for c in cells[i + 1:]:
+            if c.cell_type == "code":
+                break
+            hints += c.source.startswith("<details><summary><b>Hint")
+        assert hints == 2, f"{name}, {cells[i].source.splitlines()[0]}: {hints} folded hints"
+
+
 @pytest.mark.parametrize("path", EXERCISES, ids=[p.name for p in EXERCISES])
 def test_workbooks_carry_nbgrader_metadata(path):
     """Every stub cell is an nbgrader solution cell, every check cell a locked graded cell with
