@@ -36,9 +36,12 @@ test: $(STAMP) $(VENV)/.distlab-grading-installed
 # portable code path): a stored output that prints round-off digits fails here as it would on the
 # next instructor's machine. .ci/run runs it after `make test` (it would double make test's time).
 PERTURBED := $(shell grep -v '^\s*\#' tests/perturbed.env | grep '=')
+# `-p conftest` (tests/ on the path): tests/conftest.py's retry of a kernel that dies at birth
+# (a port taken between its choice and its bind), which `make test` gets by collecting tests/.
 test-portable: $(STAMP)
-	env $(PERTURBED) DISTLAB_NO_PROGRESS=1 $(PY) -m pytest notebooks solutions $(NBVAL) \
-		--timeout=900 -q $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
+	env $(PERTURBED) DISTLAB_NO_PROGRESS=1 PYTHONPATH=tests $(PY) -m pytest -p conftest \
+		notebooks solutions $(NBVAL) --timeout=900 -q \
+		$(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
 # The course as a static site from the stored outputs (nothing is executed): docs/_build/html.
 # -W --keep-going: a broken internal link (document, anchor, image) fails the build.
