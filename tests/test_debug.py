@@ -1,8 +1,5 @@
 """Chapter 11: the detectors find each bug class, the correct loop equals one process, and the
 workbook's checkers pass the fixes and reject the broken versions with the right sentence."""
-import sys
-
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,12 +10,9 @@ from distlab.checks import CheckFailed, ch11
 from distlab.models import make_mlp
 
 T = 120
-# The rank functions below travel BY VALUE, as a notebook cell's do: by reference every rank of
-# every launch would import this module, and pytest with it (about a second per launch here).
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-# ---- the broken pieces (module level: they travel to the ranks by value) -------------------------
+# ---- the broken pieces (module level: conftest sends them to the ranks by value) -----------------
 
 def no_sampler(x, y, rank, world_size):
     n = len(x) // world_size
