@@ -8,6 +8,7 @@ The rule that matters most: when a rank dies without raising (os._exit, a segfau
 the out-of-memory killer, a C++ abort inside gloo), the ranks waiting for it in a collective fail
 with "Connection closed by peer". Those are messengers; the report names the DEAD rank.
 """
+import os
 import pickle
 import re
 import signal
@@ -87,6 +88,9 @@ def _raised_message(r, ranks, others):
         except Exception:
             pass
     first = f"rank {r.rank} raised {e['type']}: {e['message']}{note}"
+    alone = _reached_alone(r, ranks)
+    if alone:
+        first = f"{alone}\n(gloo's own words, on rank {r.rank}: {e['message']})"
     # Everyone who failed only lost a peer, nobody died: blame whoever was still busy elsewhere.
     busy = [o.rank for o in ranks if o.error is None and not o.returned and o.exitcode is None]
     errors = [o for o in ranks if o.error is not None]
@@ -100,6 +104,57 @@ def _raised_message(r, ranks, others):
     message = f"{first}\n\nTraceback from rank {r.rank}:\n{pretty_filenames(e['traceback'])}"
     return RankFailed(message, r.rank, e["type"], e["traceback"], exception,
                       peer_lost=is_consequence(e))
+
+
+_TB_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n'
+                       r'(?:\s+(?P<source>[^\n]*)\n)?')
+
+
+def _reached_alone(r, ranks):
+    """'only rank 0 reached the barrier ...' when rank r lost its peers inside a collective
+    because every other rank had returned without calling it (gloo then says only "Connection
+    closed by peer ... GLHF"), else None."""
+    if not is_consequence(r.error):
+        return None
+    others = [o for o in ranks if o is not r]
+    if not others or not all(o.returned and o.error is None and not died(o) for o in others):
+        return None
+    frames = [m.groupdict() for m in _TB_FRAME.finditer(r.error["traceback"] or "")]
+    calls = [i for i, f in enumerate(frames) if f["file"].endswith("distributed_c10d.py")
+             and not f["func"].startswith("_")]
+    if not calls:
+        return None
+    collective = frames[calls[0]]["func"]
+    mine = [f for f in frames[:calls[0]] if not _plumbing(f["file"])]
+    at = ""
+    if mine and mine[-1]["source"]:
+        at = f" at `{mine[-1]['source'].strip()}` ({mine[-1]['func']}, line {mine[-1]['line']})"
+    what = "the barrier" if collective in ("barrier", "monitored_barrier") else collective
+    they = "it" if len(others) == 1 else "they"
+    return (f"only rank {r.rank} reached {what}{at}: "
+            f"{ranks_phrase([o.rank for o in others])} had returned without calling it, so "
+            f"rank {r.rank} waited alone until {they} left. A collective needs "
+            f"every rank of its group: call it on every rank (look for it under `if rank == ...` "
+            f"or after an early return), and keep only the printing on one rank.")
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# The course's wrappers between a learner's line and torch: a stack read for the learner skips them.
+_PLUMBING = {os.path.join(_HERE, f) for f in ("_tracer.py", "trace.py", "emulate.py")} | {
+    os.path.join(_HERE, "checks", "__init__.py")}
+
+
+def _plumbing(path):
+    path = os.path.abspath(path)
+    return path in _PLUMBING or f"{os.sep}torch{os.sep}" in path
+
+
+def without_plumbing(stack):
+    """A faulthandler dump without the frames of the course's own wrappers (the tracer's
+    ProcessGroup methods): the innermost frame left is the learner's line that called torch."""
+    return "\n".join(line for line in stack.splitlines()
+                     if not (line.lstrip().startswith('File "') and
+                             os.path.abspath(line.split('"')[1]) in _PLUMBING))
 
 
 def _died_message(r, ranks, others):
@@ -143,7 +198,7 @@ def explain_timeout(ranks, running, stacks, timeout):
         if r not in running:
             lines.append(f"  rank {r.rank}: finished")
         else:
-            where = describe_stacks(stacks.get(r.rank, ''))
+            where = describe_stacks(without_plumbing(stacks.get(r.rank, '')))
             waiting += [r.rank] if where.startswith("waits in") else []
             lines.append(f"  rank {r.rank}: {where}")
     finished = [r.rank for r in ranks if r not in running]
