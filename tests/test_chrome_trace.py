@@ -62,6 +62,11 @@ def check_chrome(doc):
     used = {(e["pid"], e["tid"]) for e in events if e["ph"] != "M"}
     assert {p for p, _ in used} <= named_pids
     assert used <= named_tids
+    # Perfetto's JSON importer reads tid 0 as the process's main thread (tid = pid): a thread 0,
+    # or a thread whose id is its process's, merges with another row or is drawn as "main
+    # thread" (seen in Perfetto UI v52). A thread id also belongs to one process only.
+    assert all(t != 0 and t != p for p, t in named_tids)
+    assert len({t for _, t in named_tids}) == len(named_tids)
     # complete events of one thread nest (a viewer draws them as a stack)
     by_thread = defaultdict(list)
     for e in events:
@@ -368,3 +373,58 @@ def test_hta_agrees_on_overlap_and_idle(tmp_path):
         assert overlap.loc[rank, "comp_comm_overlap_pctg"] == pytest.approx(100 * o["ratio"],
                                                                             abs=0.01)
         assert temporal.loc[rank, "idle_time(us)"] == pytest.approx(o["idle"] * 1e6, abs=0.01)
+
+
+# ---- chapter 11 §3c: the stored Perfetto picture and what the prose reads off it ---------------------
+
+PICTURE = Path(__file__).resolve().parent.parent / "notebooks" / "images" / "perfetto_ddp_profile.png"
+
+
+def _ms(seconds):
+    """As Perfetto prints a duration (and chapter 11 with it): whole ns, 4 significant digits."""
+    return f"{round(seconds * 1e9) / 1e6:.4g} ms"
+
+
+def test_ch11_perfetto_picture_is_of_todays_export_and_its_numbers_are_quoted(shipped, tmp_path):
+    import hashlib
+    import nbformat
+    from PIL import Image
+    # The picture (tools/screenshot_trace.py) stamps the sha256 of the export it shows: a change
+    # of the export or of the shipped trace makes it stale. Re-run the tool then.
+    export = shipped.to_chrome(tmp_path / "ddp_profile.trace.json")
+    assert PICTURE.stat().st_size < 150_000
+    stamp = Image.open(PICTURE).text["distlab-export-sha256"]
+    assert stamp == hashlib.sha256(export.read_bytes()).hexdigest(), \
+        "notebooks/images/perfetto_ddp_profile.png is stale: run tools/screenshot_trace.py"
+    nb = nbformat.read(PICTURE.parent.parent / "11_debugging.ipynb", as_version=4)
+    text = " ".join(c.source for c in nb.cells if c.cell_type == "markdown").replace("\n", " ")
+    assert "](images/perfetto_ddp_profile.png)" in text
+    back = from_chrome(export)
+    read = {}
+    for r in (0, 1):
+        transfers = [(e["start"], e["end"]) for e in back.comm(r)]
+        first, last = min(a for a, _ in transfers), max(b for _, b in transfers)
+        inside = sum(min(s["end"], last) - max(s["start"], first) for s in back.compute(r)
+                     if s["end"] > first and s["start"] < last)
+        o = back.overlap(r)
+        # the ruler is the communication time only where the rows are never empty in between
+        assert last - first == pytest.approx(o["comm"], abs=1e-12)
+        assert inside == pytest.approx(o["overlapped"], abs=1e-12)
+        read[r] = dict(window=last - first, total=sum(b - a for a, b in transfers),
+                       inside=inside, **o)
+    one, zero = read[1], read[0]
+    assert one["total"] > one["window"]                 # two transfers in flight at once
+    assert zero["inside"] == 0
+    quoted = (f"The ruler over rank 1's selection reads {_ms(one['window'])}",
+              f"The *Slices* tab says `all_reduce` {_ms(one['total'])}",
+              f"inside the selection add up to {_ms(one['inside'])}",
+              f"compute hid, {round(100 * one['ratio'])} % of it, and the other "
+              f"{_ms(one['exposed'])} are exposed",
+              f"nothing of its {_ms(zero['window'])} is hidden")
+    for q in quoted:
+        assert q in text, q
+    # §3a's pointer: rank 1 reached backward first; its first all-reduce outlasted rank 0's launch
+    first0, first1 = shipped.comm(0)[0], shipped.comm(1)[0]
+    assert first1["launch"] < first0["launch"] < first1["end"]
+    assert "rank 1 reached backward first, and its first all-reduce stayed in flight until " \
+           "rank 0 launched its own" in text

@@ -30,7 +30,7 @@ from collections import defaultdict
 US = 1e6            # the format's timestamps are microseconds; the course's trace holds seconds
 COMPUTE, COMM, WAIT = "compute", "communication", "blocked waiting"
 _THREADS = (COMPUTE, COMM, WAIT)
-_LANES = 100        # tid = kind * _LANES + lane: lanes of one kind sort together
+_LANES = 100        # lanes of one kind sort together: see _tid
 _FLOW = dict(cat="p2p", name="message")
 
 
@@ -56,7 +56,7 @@ def chrome_events(trace):
                              (COMM, _comm_slices(trace, r, clock)),
                              (WAIT, _wait_slices(trace, r, clock))):
             for lane, s in _lanes(slices):
-                s.update(pid=r, tid=_THREADS.index(kind) * _LANES + lane)
+                s.update(pid=r, tid=_tid(trace.world_size, r, kind, lane))
                 lanes_used[r].add((kind, lane))
                 events.append(s)
     events += _flows(trace, events)
@@ -72,7 +72,7 @@ def chrome_events(trace):
         for kind in _THREADS:       # every rank names all three, used or not: the same rows
             lanes = sorted(lane for k, lane in lanes_used[r] if k == kind) or [0]
             for lane in lanes:
-                tid = _THREADS.index(kind) * _LANES + lane
+                tid = _tid(trace.world_size, r, kind, lane)
                 label = kind if lane == 0 else f"{kind} ({lane + 1})"
                 meta.append(dict(ph="M", name="thread_name", pid=r, tid=tid,
                                  args=dict(name=label)))
@@ -88,6 +88,15 @@ def chrome_events(trace):
         other.update(cluster=cluster.name, description=describe(cluster).lstrip("⏱ "))
     return dict(traceEvents=meta + events, displayTimeUnit="ms",
                 otherData=dict(producer="distlab", distlab=other))
+
+
+def _tid(world_size, rank, kind, lane):
+    """A thread id unique in the whole file, never 0 and never a rank's pid: Perfetto's JSON
+    importer reads tid 0 as the process's main thread (tid = pid), so a "compute" thread 0
+    would merge with rank 1's thread 1 and be drawn as rank r's "main thread". Counted from
+    1000 · world_size up: (rank, kind, lane) in that order, so a rank's rows sort compute,
+    communication, blocked waiting."""
+    return 1000 * (world_size + rank) + _THREADS.index(kind) * _LANES + lane
 
 
 def _us(seconds):
