@@ -39,51 +39,120 @@ def test_unshard_column(capsys):
         ch10.check_unshard_column(lambda shards, chunks: ch10._reference_unshard(shards, chunks))
 
 
-# ---- exercise 2: global_loss ---------------------------------------------------------------------
+# ---- exercise 2: token_mean_loss -------------------------------------------------------------------
 
-def global_loss(shard_loss, mesh):
-    loss = shard_loss.clone() if mesh.p == mesh.pp - 1 else torch.zeros_like(shard_loss)
+def token_mean_loss(losses, tokens, mesh):                  # as the workbook's solution
+    last = mesh.p == mesh.pp - 1
+    pair = (torch.stack([(losses * tokens).sum(), tokens.sum().double()]) if last
+            else torch.zeros(2, dtype=torch.float64))
+    dist.all_reduce(pair, group=mesh.get_group("pp"))
+    dist.all_reduce(pair, group=mesh.get_group("dp"))
+    return (pair[0] / pair[1]).item()
+
+
+def token_mean_loss_broadcast(losses, tokens, mesh):
+    # Differently written: the last stage broadcasts each number along the pipeline, one
+    # all-reduce per number over dp, a float at the end.
+    from torch.distributed import all_reduce, broadcast
+    total = (losses * tokens).sum().reshape(1)
+    count = tokens.sum().to(torch.float64).reshape(1)
+    for t in (total, count):
+        broadcast(t, src=mesh.pp_rank(mesh.pp - 1), group=mesh.get_group("pp"))
+        all_reduce(t, group=mesh.get_group("dp"))
+    return float(total / count)
+
+
+def token_mean_of_means(losses, tokens, mesh):
+    # Wrong: the chapter's rule (every micro-batch weighs the same), right only for equal ones.
+    loss = losses.mean() if mesh.p == mesh.pp - 1 else torch.zeros((), dtype=torch.float64)
     dist.all_reduce(loss, group=mesh.get_group("pp"))
     dist.all_reduce(loss, group=mesh.get_group("dp"))
     return loss.item() / mesh.dp
 
 
-def global_loss_broadcast_avg(shard_loss, mesh):
-    # Differently written: the last stage broadcasts along the pipeline, then ReduceOp.AVG.
-    from torch.distributed import ReduceOp, all_reduce, broadcast
-    loss = shard_loss.detach().clone()
-    broadcast(loss, src=mesh.pp_rank(mesh.pp - 1), group=mesh.get_group("pp"))
-    all_reduce(loss, op=ReduceOp.AVG, group=mesh.get_group("dp"))
-    return loss.item()
+def token_mean_by_replica(losses, tokens, mesh):
+    # Wrong: each replica's token mean, then the replicas averaged as equals.
+    last = mesh.p == mesh.pp - 1
+    mean = ((losses * tokens).sum() / tokens.sum() if last
+            else torch.zeros((), dtype=torch.float64))
+    dist.all_reduce(mean, group=mesh.get_group("pp"))
+    dist.all_reduce(mean, group=mesh.get_group("dp"))
+    return mean.item() / mesh.dp
 
 
-def global_loss_in_place(shard_loss, mesh):
-    # Right numbers, but the caller's loss is overwritten (what the text forbids).
+def token_mean_every_stage(losses, tokens, mesh):
+    # Wrong: every stage's numbers summed along the pipeline, the other stages' too.
+    pair = torch.stack([(losses * tokens).sum(), tokens.sum().double()])
+    dist.all_reduce(pair, group=mesh.get_group("pp"))
+    dist.all_reduce(pair, group=mesh.get_group("dp"))
+    return (pair[0] / pair[1]).item()
+
+
+def token_mean_in_place(losses, tokens, mesh):
+    # Right numbers, but the caller's losses are overwritten.
     if mesh.p != mesh.pp - 1:
-        shard_loss.zero_()
-    dist.all_reduce(shard_loss, group=mesh.get_group("pp"))
-    dist.all_reduce(shard_loss, group=mesh.get_group("dp"))
-    return shard_loss.item() / mesh.dp
+        losses.zero_(), tokens.zero_()
+    losses.mul_(tokens)
+    pair = torch.stack([losses.sum(), tokens.sum().double()])
+    dist.all_reduce(pair, group=mesh.get_group("pp"))
+    dist.all_reduce(pair, group=mesh.get_group("dp"))
+    return (pair[0] / pair[1]).item()
 
 
-def test_global_loss(capsys):
-    ch10.check_global_loss(global_loss)
-    ch10.check_global_loss(global_loss_broadcast_avg)
+def test_token_mean_loss_passes_two_ways(capsys):
+    ch10.check_token_mean_loss(token_mean_loss)
+    ch10.check_token_mean_loss(token_mean_loss_broadcast, meshes=((1, 2, 2), (3, 1, 1)))
     assert capsys.readouterr().out.count("✅") == 2
-    with pytest.raises(CheckFailed, match=r"changed rank \d's shard_loss in place .*reduce a clone"):
-        ch10.check_global_loss(global_loss_in_place)
+
+
+def test_token_mean_loss_refuses_wrong_rules_and_the_course():
+    odd = ((3, 1, 1),)
+    with pytest.raises(CheckFailed, match=r"dp=3 x pp=1 x tp=1: rank 0 returned [\d.]+, expected "
+                                          r"[\d.]+: that is the mean of the micro-batches' means "
+                                          r"\(every micro-batch weighs the same"):
+        ch10.check_token_mean_loss(token_mean_of_means, meshes=odd)
+    with pytest.raises(CheckFailed, match=r"that is the mean of the replicas' token means "
+                                          r"\(every replica weighs the same"):
+        ch10.check_token_mean_loss(token_mean_by_replica, meshes=odd)
+    with pytest.raises(CheckFailed, match=r"dp=1 x pp=3 x tp=1: rank 0 returned .* only the last "
+                                          r"stage's numbers are losses"):
+        ch10.check_token_mean_loss(token_mean_every_stage, meshes=((1, 3, 1),))
+    with pytest.raises(CheckFailed, match=r"changed rank \d's losses or tokens in place"):
+        ch10.check_token_mean_loss(token_mean_in_place, meshes=((2, 1, 1),))
     with pytest.raises(CheckFailed, match=r"course's own global_loss"):
-        ch10.check_global_loss(lambda shard_loss, mesh: p3.global_loss(shard_loss, mesh))
+        ch10.check_token_mean_loss(lambda losses, tokens, mesh: p3.global_loss(
+            (losses * tokens).sum() / tokens.sum(), mesh), meshes=((2, 1, 1),))
+    with pytest.raises(CheckFailed, match=r"course's own _micro_batches"):
+        ch10.check_token_mean_loss(lambda losses, tokens, mesh: float(sum(
+            (l * n).sum() for l, n in [ch10._micro_batches(0, d, True) for d in range(mesh.dp)])
+            / sum(ch10._micro_batches(0, d, True)[1].sum() for d in range(mesh.dp))),
+            meshes=((2, 1, 1),))
+
+
+def test_stubs_are_reported_as_not_written():
+    def stub(*args):
+        raise NotImplementedError("exercise: replace this line with your code")
+
+    for check in (ch10.check_unshard_column, ch10.check_token_mean_loss, ch10.check_step_3d,
+                  ch10.check_choose_layout):
+        with pytest.raises(NotImplementedError, match="is not written yet"):
+            check(stub)
 
 
 # ---- exercise 3: step_3d -------------------------------------------------------------------------
 
-def _groups_by_hand(dp, pp, tp):
+def _groups_by_hand(dp, pp, tp, dp_fastest=False):
     rank = dist.get_rank()
-    d, p, t = rank // (pp * tp), rank // tp % pp, rank % tp
+    if dp_fastest:              # wrong: the mesh laid out (tp, pp, dp), dp varying fastest
+        d, p, t = rank % dp, rank // dp % pp, rank // (dp * pp)
 
-    def at(d, p, t):
-        return (d * pp + p) * tp + t
+        def at(d, p, t):
+            return (t * pp + p) * dp + d
+    else:
+        d, p, t = rank // (pp * tp), rank // tp % pp, rank % tp
+
+        def at(d, p, t):
+            return (d * pp + p) * tp + t
 
     mine = {}
     for key, lists in {
@@ -97,8 +166,8 @@ def _groups_by_hand(dp, pp, tp):
     return (d, p, t), at, mine
 
 
-def step_3d(gpt, x, y, dp, pp, tp, lr, whole_batch=False, world_dp=False):
-    (d, p, t), at, groups = _groups_by_hand(dp, pp, tp)
+def step_3d(gpt, x, y, dp, pp, tp, lr, whole_batch=False, dp_fastest=False, sum_grads=False):
+    (d, p, t), at, groups = _groups_by_hand(dp, pp, tp, dp_fastest)
     stage = p3.Stage3D(gpt, p, pp, groups["tp"])
     n = len(x) // dp
     if not whole_batch:
@@ -122,11 +191,13 @@ def step_3d(gpt, x, y, dp, pp, tp, lr, whole_batch=False, world_dp=False):
         dist.send(inp.grad, dst=at(d, p - 1, t))
     if not whole_batch:
         for q in stage.parameters():
-            dist.all_reduce(q.grad, group=None if world_dp else groups["dp"])
-            q.grad /= dp
+            dist.all_reduce(q.grad, group=groups["dp"])
+            if not sum_grads:
+                q.grad /= dp
+    step = lr / dp if sum_grads else lr       # wrong with sum_grads: the same step, .grad a sum
     with torch.no_grad():
         for q in stage.parameters():
-            q -= lr * q.grad
+            q -= step * q.grad
     total = loss.detach().clone() if stage.last else torch.zeros((), dtype=torch.float64)
     dist.all_reduce(total, group=groups["pp"])
     dist.all_reduce(total, group=groups["dp"])
@@ -167,7 +238,8 @@ def step_3d_device_mesh(gpt, x, y, dp, pp, tp, lr):
     i = 0
     with torch.no_grad():
         for q in stage.parameters():
-            q -= lr * flat[i:i + q.numel()].view_as(q)
+            q.grad.copy_(flat[i:i + q.numel()].view_as(q))
+            q -= lr * q.grad
             i += q.numel()
     total = loss.detach().clone() if p == pp - 1 else torch.zeros((), dtype=torch.float64)
     all_reduce(total, group=mesh.get_group("pp"))
@@ -180,6 +252,41 @@ def step_3d_whole_batch(gpt, x, y, dp, pp, tp, lr):
     return step_3d(gpt, x, y, dp, pp, tp, lr, whole_batch=True)
 
 
+def step_3d_dp_fastest(gpt, x, y, dp, pp, tp, lr):
+    # The mesh order with dp and tp swapped: indistinguishable where dp == tp (2x2x2).
+    return step_3d(gpt, x, y, dp, pp, tp, lr, dp_fastest=True)
+
+
+def step_3d_lr_over_dp(gpt, x, y, dp, pp, tp, lr):
+    # The dp SUM of the gradients and the learning rate divided by dp: the same parameters,
+    # but .grad holds dp times the mean.
+    return step_3d(gpt, x, y, dp, pp, tp, lr, sum_grads=True)
+
+
+def step_3d_dense_with_decoys(gpt, x, y, dp, pp, tp, lr):
+    # A cheat: one process's dense step on the whole batch, each rank's shards copied into its
+    # stage, and messages of the right sizes and groups that carry zeros.
+    (d, p, t), at, groups = _groups_by_hand(dp, pp, tp)
+    stage = p3.Stage3D(gpt, p, pp, groups["tp"])
+    loss = lm_loss(gpt(x), y)
+    loss.backward()
+    with torch.no_grad():
+        for name, q in stage.named_parameters():
+            full = gpt.get_parameter(stage.dense_name(name))
+            q.grad = stage.shard_of(name, full.grad).clone()
+            q.copy_(stage.shard_of(name, full - lr * full.grad))
+    act = torch.zeros(len(x) // dp, x.shape[1], gpt.tok.embedding_dim, dtype=torch.float64)
+    if p < pp - 1:
+        dist.send(act, dst=at(d, p + 1, t))
+        dist.recv(act, src=at(d, p + 1, t))
+    if p > 0:
+        dist.recv(act, src=at(d, p - 1, t))
+        dist.send(act, dst=at(d, p - 1, t))
+    for q in stage.parameters():
+        dist.all_reduce(torch.zeros_like(q), group=groups["dp"])
+    return stage, loss.item()
+
+
 def step_3d_with_the_course(gpt, x, y, dp, pp, tp, lr):
     mesh = p3.Mesh3D(dp, pp, tp)
     stage = p3.Stage3D.from_dense(gpt, mesh)
@@ -188,17 +295,28 @@ def step_3d_with_the_course(gpt, x, y, dp, pp, tp, lr):
 
 def test_step_3d_passes_two_ways(capsys):
     ch10.check_step_3d(step_3d)
-    ch10.check_step_3d(step_3d_device_mesh)
+    ch10.check_step_3d(step_3d_device_mesh, meshes=((2, 2, 2),))
     assert capsys.readouterr().out.count("✅") == 2
 
 
-def test_step_3d_refuses_a_wrong_structure_and_the_course():
+def test_step_3d_refuses_wrong_structures_cheats_and_the_course():
+    small = ((1, 2, 2),)                     # dp != tp: a pipeline of two tp pairs
     with pytest.raises(CheckFailed, match=r"rank 0 sent 8,192 bytes of activations to the next "
-                                          r"stage \(rank 2\); its replica's part of the batch is "
+                                          r"stage \(rank 1\); its replica's part of the batch is "
                                           r"4,096 bytes"):
-        ch10.check_step_3d(step_3d_whole_batch)
+        ch10.check_step_3d(step_3d_whole_batch, meshes=((2, 2, 1),))
+    with pytest.raises(CheckFailed, match=r"dp=1 x pp=2 x tp=2: rank 0 \(dp 0, pp 0, tp 0\) sent "
+                                          r"[\d,]+ bytes to rank 1; .* rank 2\."):
+        ch10.check_step_3d(step_3d_dp_fastest, meshes=small)
+    with pytest.raises(CheckFailed, match=r"rank 0 \(dp 0, pp 0, tp 0\) sent rank 2 values that "
+                                          r"are not its stage's output"):
+        ch10.check_step_3d(step_3d_dense_with_decoys, meshes=small)
+    with pytest.raises(CheckFailed, match=r"dp=2 x pp=1 x tp=1: rank 0 .*: tok\.weight\.grad after "
+                                          r"the step is the SUM over the dp group, 2 times the "
+                                          r"mean"):
+        ch10.check_step_3d(step_3d_lr_over_dp, meshes=((2, 1, 1),))
     with pytest.raises(CheckFailed, match=r"course's own Mesh3D"):
-        ch10.check_step_3d(step_3d_with_the_course)
+        ch10.check_step_3d(step_3d_with_the_course, meshes=small)
 
 
 # ---- the layout model: full checkpointing pays its recompute (issue 13) --------------------------

@@ -1,6 +1,10 @@
 """Checkers for workbook 10: putting tp shards back together, the loss every rank reports, and
 one training step on a dp x pp x tp mesh built by hand."""
+import copy
+
 import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup
 
 from .. import data_parallel as _dp
 from .. import mesh as _mesh
@@ -34,63 +38,99 @@ def check_unshard_column(fn):
            "q, k and v kept apart.")
 
 
-# ---- exercise 2: the loss every rank reports ------------------------------------------------------
+# ---- exercise 2: the loss over every real token, micro-batches of unequal length -----------------
 
-def _shard_loss_value(rank, d):
-    return 1.0 + 0.25 * rank + 0.125 * d
-
-
-def _expected_global_loss(rank, dp, pp, tp):
-    """The mean over the replicas of the last stage's loss (of the same tp slice)."""
-    _, _, t = _mesh.coordinate(rank, (dp, pp, tp))
-    last = [_mesh.rank_at((d, pp - 1, t), (dp, pp, tp)) for d in range(dp)]
-    return sum(_shard_loss_value(r, d) for d, r in enumerate(last)) / dp
+# (dp, pp, tp): tp copies of the loss on the last stage (dp != tp); replicas meeting a pipeline;
+# an odd dp (a sum is not a mean); a middle stage (the value comes from the LAST one).
+LOSS_MESHES = ((1, 2, 2), (2, 2, 1), (3, 1, 1), (1, 3, 1))
+N_MICRO = 3
 
 
-def _losses_on_mesh(rank, world_size, dp, pp, tp, fn):
+def _micro_batches(rank, d, last):
+    """(losses, tokens) a rank holds: on the last stage, each micro-batch's mean loss over its real
+    tokens and how many real tokens it had (padding makes them unequal, between micro-batches and
+    between replicas); elsewhere numbers that are not losses, which must not count."""
+    if not last:
+        return (torch.tensor([50.0 + rank, 60.0, 70.0], dtype=torch.float64),
+                torch.tensor([7, 1 + rank, 3]))
+    losses = torch.tensor([2.0 + 0.5 * d, 3.25 - 0.25 * d, 1.5 + 0.125 * d], dtype=torch.float64)
+    tokens = torch.tensor([[5, 16, 9], [12, 3, 16], [1, 8, 2]][d % 3])
+    return losses, tokens
+
+
+def _token_means(dp):
+    """The right answer and the answers of three wrong rules, by what they compute."""
+    rows = [_micro_batches(0, d, True) for d in range(dp)]
+    weighted = sum(float((l * n).sum()) for l, n in rows)
+    count = sum(int(n.sum()) for _, n in rows)
+    replica_means = [float((l * n).sum()) / int(n.sum()) for l, n in rows]
+    return {"right": weighted / count,
+            "the mean of the micro-batches' means (every micro-batch weighs the same, the "
+            "chapter's rule for equal micro-batches)": sum(float(l.mean()) for l, _ in rows) / dp,
+            "the mean of the replicas' token means (every replica weighs the same, however many "
+            "real tokens it had)": sum(replica_means) / dp,
+            "the sum of the replicas' token means": sum(replica_means)}
+
+
+def _token_loss_on_mesh(rank, world_size, dp, pp, tp, fn):
     mesh = p3.Mesh3D(dp, pp, tp)
-    # Every rank holds a different number, as if each had computed a loss; only the last
-    # stage's are real losses, and they differ between replicas.
-    mine = torch.tensor(_shard_loss_value(rank, mesh.d), dtype=torch.float64)
-    before = mine.clone()
-    with forbid(p3.global_loss, p3.train_step,
-                exercise="send the loss along the pp and dp groups yourself"):
-        got = fn(mine, mesh)
-    # The caller still needs its own loss after logging it (backward, its own statistics).
-    return float(got), before.item(), mine.item()
+    losses, tokens = _micro_batches(rank, mesh.d, mesh.p == pp - 1)
+    before = (losses.clone(), tokens.clone())
+    with forbid(p3.global_loss, p3.train_step, _micro_batches, _token_means,
+                exercise="send the sums along the pp and dp groups yourself"):
+        got = fn(losses, tokens, mesh)
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        got = got.item()
+    # The caller still needs its own numbers after logging the loss (its own statistics).
+    changed = not (torch.equal(losses, before[0]) and torch.equal(tokens, before[1]))
+    return got, changed
 
 
-def check_global_loss(fn):
-    shapes = [(2, 2, 2), (3, 1, 1), (1, 3, 1)]
-    for dp, pp, tp in shapes:
-        expected = [_expected_global_loss(rank, dp, pp, tp) for rank in range(dp * pp * tp)]
+def check_token_mean_loss(fn, meshes=LOSS_MESHES):
+    """fn(losses, tokens, mesh) on every rank -> the mean loss over every real token of the global
+    batch, as a float, on every rank."""
+    name = getattr(fn, "__name__", "token_mean_loss")
+    for dp, pp, tp in meshes:
+        where = f"{name} on dp={dp} x pp={pp} x tp={tp}"
+        means = _token_means(dp)
         try:
-            got = learner_run(_losses_on_mesh, dp * pp * tp, dp, pp, tp, fn, name="global_loss",
+            got = learner_run(_token_loss_on_mesh, dp * pp * tp, dp, pp, tp, fn, name=name,
                               timeout=60, hang_rule="every rank must call the same collectives "
-                              "on its pp group and then its dp group.")
+                              "on its pp group and then its dp group, the other stages too.")
         except (NotImplementedError, CheckFailed):
             raise
         except Exception as e:  # a crash inside the learner's code: say where, in one line
-            raise CheckFailed(f"global_loss on dp={dp} x pp={pp} x tp={tp} failed: "
-                              f"{str(e).splitlines()[0]}") from None
-        for rank in range(dp * pp * tp):
-            value, before, after = got[rank]
-            compare(value, expected[rank], f"global_loss on dp={dp} x pp={pp} x tp={tp}, "
-                    f"rank {rank}", atol=1e-12, rtol=1e-12)
-            if after != before:
-                raise CheckFailed(f"global_loss on dp={dp} x pp={pp} x tp={tp} returned the "
-                                  f"right value, but changed rank {rank}'s shard_loss in place "
-                                  f"({before:g} became {after:g}); the caller still needs its "
-                                  f"own loss: reduce a clone.")
-    passed(f"global_loss gives every rank the replicas' mean of the last stage's loss on meshes "
-           f"{sizes_phrase(['x'.join(map(str, s)) for s in shapes])}.")
+            raise CheckFailed(f"{where} failed: {str(e).splitlines()[0]}") from None
+        for rank, (value, changed) in enumerate(got):
+            if not isinstance(value, float):
+                raise CheckFailed(f"{where}: rank {rank} returned {type(value).__name__}; return "
+                                  f"the loss as a Python float (loss.item()).")
+            if abs(value - means["right"]) > 1e-12 * max(1.0, abs(means["right"])):
+                rule = next((label for label, v in means.items()
+                             if label != "right" and abs(value - v) < 1e-12), None)
+                why = (f": that is {rule}; a real token weighs the same wherever it sits, so add "
+                       f"up loss × tokens and the tokens over every micro-batch and replica, "
+                       f"then divide once" if rule else
+                       " — only the last stage's numbers are losses (the other stages' must "
+                       "not count), and the mean is over every replica's real tokens")
+                raise CheckFailed(f"{where}: rank {rank} returned {value:.6g}, expected "
+                                  f"{means['right']:.6g}{why}.")
+            if changed:
+                raise CheckFailed(f"{where} returned the right value, but changed rank {rank}'s "
+                                  f"losses or tokens in place; the caller still needs them: "
+                                  f"reduce new tensors.")
+    passed(f"{name} gives every rank the mean over every real token of the global batch on "
+           f"meshes {sizes_phrase(['x'.join(map(str, s)) for s in meshes])}, micro-batches and "
+           f"replicas of unequal token counts.")
 
 
 # ---- exercise 3: one training step on a dp x pp x tp mesh you build ------------------------------
 
 STEP_CFG = dict(vocab=32, d_model=16, n_heads=2, n_layers=4, seq_len=8)
 STEP_LR = 0.1
-STEP_MESHES = ((2, 2, 2), (1, 3, 1))          # every parallelism at once; a middle stage
+# every parallelism at once; a middle stage with dp != tp (a mesh order with dp and tp swapped
+# builds other groups there)
+STEP_MESHES = ((2, 2, 2), (1, 3, 2))
 STEP_BATCH = 8
 
 
@@ -98,38 +138,229 @@ def _step_data():
     return token_data(n=STEP_BATCH, seq_len=STEP_CFG["seq_len"], vocab=STEP_CFG["vocab"], seed=1)
 
 
-def _reference_step():
-    """One process: the dense model, the whole batch, one SGD step."""
-    gpt = make_gpt(seed=0, **STEP_CFG).double()
-    x, y = _step_data()
-    loss = lm_loss(gpt(x), y)
+def _replica_pass(dense, x, y, keep_blocks=()):
+    """One process, the dense model on one replica's samples: (model with .grad, loss, the
+    activations between blocks and their gradients, and for the blocks in `keep_blocks` the sums
+    the tp all-reduces of a split block must produce: attention's and the MLP's output
+    projections without their bias)."""
+    gpt = copy.deepcopy(dense)          # far cheaper than building one again, traced
+    sums = []
+
+    def keep(module, inputs, out):
+        sums.append(out.detach() - module.bias.detach())
+    for i in keep_blocks:
+        gpt.blocks[i].attn.proj.register_forward_hook(keep)
+        gpt.blocks[i].mlp.fc2.register_forward_hook(keep)
+    h = gpt.tok(x) + gpt.pos(torch.arange(x.shape[1]))
+    hs = [h]
+    for block in gpt.blocks:
+        h = block(h)
+        hs.append(h)
+    for a in hs:
+        a.retain_grad()
+    loss = lm_loss(gpt.head(gpt.ln_f(h)), y)
     loss.backward()
-    with torch.no_grad():
-        for p in gpt.parameters():
-            p.add_(p.grad, alpha=-STEP_LR)
-    return gpt, loss.item()
+    return gpt, loss.item(), [a.detach() for a in hs], [a.grad for a in hs], sums
 
 
 def _course_3d_code():
     return (p3.train_step, p3.Mesh3D, p3.global_loss, _mesh.HandMesh, _mesh.device_mesh,
-            _dp.average_gradients, _reference_step)
+            _dp.average_gradients, _replica_pass, _values_problem)
+
+
+class _Snapshot(dist.Work):
+    """A Work handle that copies the all-reduce's result when it is waited for."""
+
+    def __init__(self, inner, done):
+        super().__init__()
+        self._inner, self._done = inner, done
+
+    def wait(self, timeout=None):
+        ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        self._done()
+        return ok
+
+    def is_completed(self):
+        return self._inner.is_completed()
+
+    def is_success(self):
+        return self._inner.is_success()
+
+    def exception(self):
+        return self._inner.exception()
+
+    def result(self):
+        return self._inner.result()
+
+    def source_rank(self):
+        return self._inner.source_rank()
+
+    def _source_rank(self):
+        return self._inner._source_rank()
+
+    def synchronize(self):
+        return self._inner.synchronize()
+
+    def get_future(self):
+        return self._inner.get_future()
+
+    def block_current_stream(self):
+        return self._inner.block_current_stream()
+
+
+class _Carried:
+    """Inside a rank, while the learner's function runs: a copy of what travels. Every message
+    sent (by global peer) and every all-reduce's input and result (with its group's ranks), read
+    from the ProcessGroup methods every send and all-reduce goes through, however it was called
+    (dist.send, isend, batch_isend_irecv, dist.all_reduce imported under any name)."""
+
+    def __init__(self):
+        self.sent, self.reduced = {}, []
+
+    @staticmethod
+    def _ranks(pg):
+        try:
+            return tuple(dist.get_process_group_ranks(pg))
+        except Exception:
+            return tuple(range(pg.size()))
+
+    def __enter__(self):
+        self._saved = {m: getattr(ProcessGroup, m) for m in ("send", "allreduce")}
+        send, allreduce, me = self._saved["send"], self._saved["allreduce"], self
+
+        def carried_send(pg, tensors, dst, *args, **kwargs):
+            peer = me._ranks(pg)[dst]
+            me.sent.setdefault(peer, []).extend(t.detach().flatten().double().clone()
+                                                for t in tensors)
+            return send(pg, tensors, dst, *args, **kwargs)
+
+        def carried_allreduce(pg, tensors, *args, **kwargs):
+            entry = {"group": me._ranks(pg), "input": [t.detach().clone() for t in tensors],
+                     "result": None}
+            me.reduced.append(entry)
+            work = allreduce(pg, tensors, *args, **kwargs)
+
+            def done():
+                entry["result"] = [t.detach().clone() for t in tensors]
+            return work if work is None else _Snapshot(work, done)
+
+        ProcessGroup.send, ProcessGroup.allreduce = carried_send, carried_allreduce
+        return self
+
+    def __exit__(self, *exc):
+        for method, original in self._saved.items():
+            setattr(ProcessGroup, method, original)
+
+
+def _same_values(got, expected, scales):
+    """Whether the values `got` are those of `expected` times one of `scales`, in any order and
+    cut into any pieces (a flat buffer, one tensor per parameter, several micro-batches); None
+    when their counts differ (the trace's byte count then says more)."""
+    if got.numel() != expected.numel():
+        return None
+    g = got.sort().values
+    return any(torch.allclose(g, (expected * s).sort().values, atol=1e-9, rtol=1e-7)
+               for s in scales)
+
+
+def _values_problem(rank, dp, pp, tp, stage, carried, replica, global_grads, name):
+    """The first value that travelled wrong on this rank (or the gradient left wrong), as the
+    sentence a learner reads; None when everything carried what the algorithm needs."""
+    shape = (dp, pp, tp)
+    d, p, t = _mesh.coordinate(rank, shape)
+    me = f"{name} on dp={dp} x pp={pp} x tp={tp}: rank {rank} (dp {d}, pp {p}, tp {t})"
+    gpt, _, acts, act_grads, sums = replica
+    a, b = stage.start, stage.start + len(stage.blocks)
+    scales = (1.0, 1.0 / dp)                      # the replica's mean loss, or already / dp
+    if p < pp - 1:
+        nxt = _mesh.rank_at((d, p + 1, t), shape)
+        got = torch.cat(carried.sent.get(nxt, [torch.zeros(0, dtype=torch.float64)]))
+        if _same_values(got, acts[b].flatten(), (1.0,)) is False:
+            return (f"{me} sent rank {nxt} values that are not its stage's output (the "
+                    f"activations after block {b - 1} of this replica's samples): send what the "
+                    f"stage's forward returned on the activations it received.")
+    if p > 0:
+        prev = _mesh.rank_at((d, p - 1, t), shape)
+        got = torch.cat(carried.sent.get(prev, [torch.zeros(0, dtype=torch.float64)]))
+        if _same_values(got, act_grads[a].flatten(), scales) is False:
+            return (f"{me} sent rank {prev} values that are not the gradient of the loss with "
+                    f"respect to the activations it received: send inp.grad after the backward "
+                    f"of the stage's output.")
+    groups = {dim: tuple(_mesh.peers(rank, shape, dim, p3.NAMES)) for dim in p3.NAMES}
+    local = torch.cat([stage.shard_of(n, gpt.get_parameter(stage.dense_name(n)).grad).flatten()
+                       for n, _ in stage.named_parameters()])
+    if dp > 1:
+        payload = [x.flatten() for e in carried.reduced if e["group"] == groups["dp"]
+                   for x in e["input"] if x.numel() > 1]
+        got = torch.cat(payload).double() if payload else torch.zeros(0, dtype=torch.float64)
+        if payload and _same_values(got, local, scales) is not True:
+            return (f"{me}: its all-reduces over the dp group {list(groups['dp'])} carried "
+                    f"{got.numel():,} values that are not this rank's gradients ({local.numel():,}"
+                    f" values, after its replica's backward): all-reduce each parameter's .grad "
+                    f"(or one buffer of all of them), not a copy or zeros.")
+    if tp > 1:
+        results = [r for e in carried.reduced if e["group"] == groups["tp"] and e["result"]
+                   for r in e["result"]]
+        for i, want in enumerate(sums):
+            if not any(r.shape == want.shape and torch.allclose(r.double(), want, atol=1e-9,
+                                                                rtol=1e-7) for r in results):
+                layer = "attention's output projection" if i % 2 == 0 else "the MLP's fc2"
+                return (f"{me}: no all-reduce over its tp group {list(groups['tp'])} produced "
+                        f"block {a + i // 2}'s {layer} (the sum of the tp ranks' partial "
+                        f"products): run this rank's p3.Stage3D on its replica's activations — "
+                        f"its split layers all-reduce the partial sums themselves.")
+    for n, q in stage.named_parameters():
+        want = stage.shard_of(n, global_grads[stage.dense_name(n)])
+        if q.grad is None:
+            return f"{me}: {n}.grad is None after the step; leave the averaged gradient there."
+        if torch.allclose(q.grad, want, atol=1e-10, rtol=1e-8):
+            continue
+        own = stage.shard_of(n, gpt.get_parameter(stage.dense_name(n)).grad)
+        if dp > 1 and torch.allclose(q.grad, own, atol=1e-10, rtol=1e-8):
+            return (f"{me}: {n}.grad after the step is still this rank's own gradient (its "
+                    f"replica's part of the batch only): put the dp group's mean back into "
+                    f".grad — an average kept in a copy or a flat buffer must be copied back.")
+        if dp > 1 and torch.allclose(q.grad, dp * want, atol=1e-10, rtol=1e-8):
+            return (f"{me}: {n}.grad after the step is the SUM over the dp group, {dp} times the "
+                    f"mean (a learning rate divided by dp gives the same parameters, but "
+                    f".grad is what clipping, logging and the optimizer's state read): divide "
+                    f"the gradient by dp.")
+        try:
+            compare(q.grad, want, f"{me}: {n}.grad after the step (against its shard of the "
+                    f"global batch's mean gradient)", 1e-10, 1e-8)
+        except CheckFailed as e:
+            return str(e)
+    return None
 
 
 def _step_on_mesh(rank, world_size, dp, pp, tp, fn):
     gpt = make_gpt(seed=0, **STEP_CFG).double()
+    dense = copy.deepcopy(gpt)          # the learner's function may change its gpt
     x, y = _step_data()
     with forbid(*_course_3d_code(), exercise="build the groups and take the step yourself"):
-        answer = fn(gpt, x.clone(), y.clone(), dp, pp, tp, STEP_LR)
+        with _Carried() as carried:
+            answer = fn(gpt, x.clone(), y.clone(), dp, pp, tp, STEP_LR)
     if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], p3.Stage3D)):
         return {"error": f"step_3d should return (stage, loss): this rank's p3.Stage3D and "
                          f"the global loss; rank {rank} returned {type(answer).__name__}."}
     stage, loss = answer
-    ref, ref_loss = _reference_step()
-    # This rank's shard of every dense parameter after the reference's step.
-    params = {name: (p.detach().clone(), stage.shard_of(name, ref.get_parameter(
-        stage.dense_name(name)).detach())) for name, p in stage.named_parameters()}
+    d = _mesh.coordinate(rank, (dp, pp, tp))[0]
+    n = STEP_BATCH // dp
+    # One process per replica: the gradient of the global mean loss is the replicas' mean.
+    mine = range(stage.start, stage.start + len(stage.blocks))
+    replicas = [_replica_pass(dense, x[e * n:(e + 1) * n], y[e * n:(e + 1) * n],
+                              mine if e == d else ()) for e in range(dp)]
+    grads = {k: sum(r[0].get_parameter(k).grad for r in replicas) / dp
+             for k, _ in replicas[0][0].named_parameters()}
+    values = _values_problem(rank, dp, pp, tp, stage, carried, replicas[d], grads,
+                             getattr(fn, "__name__", "step_3d"))
+    ref = replicas[0][0]
+    params = {name: (p.detach().clone(), stage.shard_of(name, (
+        ref.get_parameter(stage.dense_name(name)) - STEP_LR * grads[stage.dense_name(name)])
+        .detach())) for name, p in stage.named_parameters()}
     loss = loss.item() if isinstance(loss, torch.Tensor) else loss
-    return {"loss": loss, "ref_loss": ref_loss, "params": params}
+    return {"loss": loss, "ref_loss": sum(r[1] for r in replicas) / dp, "params": params,
+            "values": values}
 
 
 def _check_step_structure(trace, dp, pp, tp, name):
@@ -174,26 +405,36 @@ def _check_step_structure(trace, dp, pp, tp, name):
                 f"must average their gradients before the step.")
 
 
-def check_step_3d(fn):
-    """fn(gpt, x, y, dp, pp, tp, lr) on every rank -> (its Stage3D after one SGD step, the loss)."""
+def check_step_3d(fn, meshes=STEP_MESHES):
+    """fn(gpt, x, y, dp, pp, tp, lr) on every rank -> (its Stage3D after one SGD step, the loss).
+
+    Judged by what travels as well as by the result: the trace's messages and groups, then on
+    every rank the values its messages and all-reduces carried (the activations and their
+    gradients, the tp partial sums, the gradients over dp), the gradient left in .grad, the
+    parameters and the loss, each against one process on the dense model."""
     name = getattr(fn, "__name__", "step_3d")
-    for dp, pp, tp in STEP_MESHES:
-        got = learner_run(_step_on_mesh, dp * pp * tp, dp, pp, tp, fn, name=name, timeout=20,
+    for dp, pp, tp in meshes:
+        got = learner_run(_step_on_mesh, dp * pp * tp, dp, pp, tp, fn, name=name, timeout=45,
                           hang_rule="every send needs the matching recv on the neighbouring "
                           "stage, and every rank must create every group in the same order.")
         where = f"on dp={dp} x pp={pp} x tp={tp}"
-        _check_step_structure(got.trace, dp, pp, tp, name)
-        for rank, result in enumerate(got):
+        for result in got:
             if "error" in result:
                 raise CheckFailed(result["error"])
+        _check_step_structure(got.trace, dp, pp, tp, name)
+        for rank, result in enumerate(got):
+            if result["values"]:
+                raise CheckFailed(result["values"])
             compare(result["loss"], result["ref_loss"], f"{name} {where}: rank {rank}'s loss "
                     f"(the global batch's mean, as one process computes it)", 1e-10, 1e-10)
             for pname, (mine, expected) in result["params"].items():
                 compare(mine, expected, f"{name} {where}: rank {rank}'s {pname} after the step "
                         f"(against its shard of one process's)", 1e-10, 1e-9)
     passed(f"{name} equals one process's SGD step on meshes "
-           f"{sizes_phrase(['x'.join(map(str, s)) for s in STEP_MESHES])}, with messages only "
-           f"between neighbouring stages and gradients averaged over each dp group.")
+           f"{sizes_phrase(['x'.join(map(str, s)) for s in meshes])}: every message carried "
+           f"its replica's activations or their gradients to the neighbouring stage, the tp "
+           f"all-reduces the partial sums, the dp all-reduces the gradients, and .grad holds "
+           f"their mean.")
 
 
 # ---- exercise 4: choosing the layout for a model and a cluster ----------------------------------
