@@ -1,5 +1,8 @@
-"""Workbook 07's checkers: right answers pass however they are written; wrong structure, the
-in-place all-reduce the chapter forbids and the course's own code are refused with a sentence."""
+"""Workbook 07's checkers: right answers pass however they are written; wrong structure, wrong
+numbers, cheats and the course's own code are refused with a sentence that names the cause."""
+import dataclasses
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,197 +13,88 @@ from distlab import tp_comm
 from distlab.checks import CheckFailed, ch07
 
 
-# ---- the column-parallel f -----------------------------------------------------------------
+# ---- exercise 1: the sequence-parallel pair ------------------------------------------------------
 
-class IdentityAllReduce(torch.autograd.Function):          # as the workbook's solution
+def _gather_seq(x, group):                    # list-based, along dim 1: another way to write it
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _scatter_seq(x, group):
+    n = dist.get_world_size(group)
+    out = torch.empty_like(x.chunk(n, dim=1)[0], memory_format=torch.contiguous_format)
+    dist.reduce_scatter(out, [c.contiguous() for c in x.chunk(n, dim=1)], group=group)
+    return out
+
+
+class GatherListF(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x.view_as(x)
+        return _gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _scatter_seq(grad, ctx.group), None
 
 
-class ImportedSumF(torch.autograd.Function):               # imported name, explicit op, a copy
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        summed = torch.empty_like(grad).copy_(grad)
-        all_reduce(summed, op=ReduceOp.SUM, group=ctx.group)
-        return summed, None
-
-
-class InPlaceF(torch.autograd.Function):                   # what the chapter forbids
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class GatherThenSumF(torch.autograd.Function):             # right numbers, N× the traffic
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
-        return torch.stack(parts).sum(0), None
-
-
-class NoSumF(torch.autograd.Function):                     # the broken example's bug
-    @staticmethod
-    def forward(ctx, x, group):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class CourseF(tp_comm.IdentityFwdAllReduceBwd):            # a cheat: the course's Function
-    pass
-
-
-def test_column_pair_accepts_right_answers_however_written():
-    ch07.check_identity_all_reduce(IdentityAllReduce, world_sizes=(4,))
-    ch07.check_identity_all_reduce(ImportedSumF, world_sizes=(3,))
-
-
-def test_column_pair_refuses_the_in_place_all_reduce():
-    with pytest.raises(CheckFailed, match=r"residual-branch gradient.*dist\.all_reduce works in "
-                                          r"place; all-reduce a copy"):
-        ch07.check_identity_all_reduce(InPlaceF, world_sizes=(3,))
-
-
-def test_column_pair_refuses_wrong_structure_and_wrong_numbers():
-    with pytest.raises(CheckFailed, match=r"in step 1's backward, rank 0 made all_gather of "
-                                          r"\d+ B .*exactly one all_reduce"):
-        ch07.check_identity_all_reduce(GatherThenSumF, world_sizes=(3,))
-    with pytest.raises(CheckFailed, match=r"with 3 ranks, rank 0, step 1, input gradient"):
-        ch07.check_identity_all_reduce(NoSumF, world_sizes=(3,))
-
-
-def test_column_pair_refuses_the_course_code_and_bad_arguments():
-    with pytest.raises(CheckFailed, match="course's own IdentityFwdAllReduceBwd.forward"):
-        ch07.check_identity_all_reduce(CourseF, world_sizes=(3,))
-    with pytest.raises(CheckFailed, match="course's own"):
-        ch07.check_identity_all_reduce(tp_comm.IdentityFwdAllReduceBwd)
-    with pytest.raises(TypeError, match="autograd.Function class itself"):
-        ch07.check_identity_all_reduce(IdentityAllReduce.apply)
-
-
-# ---- the row-parallel layer --------------------------------------------------------------------
-
-class AllReduceIdentity(torch.autograd.Function):
+class ScatterListF(torch.autograd.Function):
     @staticmethod
     def forward(ctx, partial, group):
-        total = partial.clone()
-        dist.all_reduce(total, group=group)
-        return total
+        ctx.group = group
+        return _scatter_seq(partial, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return _gather_seq(grad, ctx.group), None
 
 
-def row_parallel_linear(x_shard, weight_shard, bias, group):
-    return AllReduceIdentity.apply(F.linear(x_shard, weight_shard), group) + bias
-
-
-class SumWithBias(torch.autograd.Function):                # differently written: bias inside
-    @staticmethod
-    def forward(ctx, partial, bias, group):
-        out = partial.detach().clone()
-        all_reduce(out, op=ReduceOp.SUM, group=group)
-        return out + bias
-
+class GatherAllReduceBackF(GatherListF):      # right numbers, twice the bytes in backward
     @staticmethod
     def backward(ctx, grad):
-        return grad, grad.sum(0), None
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return total.chunk(n, dim=1)[r], None
 
 
-def row_bias_inside(x_shard, weight_shard, bias, group):
-    return SumWithBias.apply(x_shard @ weight_shard.T, bias, group)
-
-
-class GatherSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, partial, group):
-        parts = [torch.empty_like(partial) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, partial.contiguous(), group=group)
-        return torch.stack(parts).sum(0)
-
+class GatherSplitBackF(GatherListF):          # the all-gather/split pair: the sum is missing
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(n, dim=1)[r].contiguous(), None
 
 
-def row_gathered(x_shard, weight_shard, bias, group):
-    return GatherSum.apply(F.linear(x_shard, weight_shard), group) + bias
+class GatherCourseF(GatherListF):             # a cheat: the course's helper
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return tp_comm._all_gather(x, 1, group, "forward")
 
 
-def row_torch_nn_all_reduce(x_shard, weight_shard, bias, group):
-    import torch.distributed.nn.functional as dnf   # its backward all-reduces again
-    return dnf.all_reduce(F.linear(x_shard, weight_shard), group=group or dist.group.WORLD) + bias
+def test_sp_pair_accepts_a_differently_written_pair():
+    ch07.check_sequence_parallel_pair(GatherListF, ScatterListF, world_sizes=(3,))
 
 
-def row_bias_every_rank(x_shard, weight_shard, bias, group):
-    return AllReduceIdentity.apply(F.linear(x_shard, weight_shard, bias), group)
+def test_sp_pair_refuses_an_all_reduce_where_a_reduce_scatter_belongs():
+    with pytest.raises(CheckFailed, match=r"GatherAllReduceBackF with 2 ranks, in step 1's "
+                                          r"backward: rank 0 made all_reduce of 192 B .*exactly "
+                                          r"one reduce_scatter.*twice the bytes"):
+        ch07.check_sequence_parallel_pair(GatherAllReduceBackF, ScatterListF, world_sizes=(2,))
 
 
-def row_course(x_shard, weight_shard, bias, group):
-    return tp_comm.all_reduce_fwd_identity_bwd(F.linear(x_shard, weight_shard), group) + bias
+def test_sp_pair_names_the_missing_sum():
+    with pytest.raises(CheckFailed, match=r"in front of a column-parallel layer with 2 ranks, "
+                                          r"rank 0, step 1, gradient of this rank's tokens.*only "
+                                          r"this rank's own term"):
+        ch07.check_sequence_parallel_pair(GatherSplitBackF, ScatterListF, world_sizes=(2,))
 
 
-def test_row_layer_accepts_right_answers_however_written():
-    ch07.check_row_parallel_linear(row_parallel_linear, world_sizes=(4,))
-    ch07.check_row_parallel_linear(row_bias_inside, world_sizes=(3,))
+def test_sp_pair_refuses_the_course_code_stubs_and_bad_arguments():
+    with pytest.raises(CheckFailed, match=r"course's own _all_gather"):
+        ch07.check_sequence_parallel_pair(GatherCourseF, ScatterListF, world_sizes=(2,))
 
-
-def test_row_layer_refuses_wrong_structure():
-    with pytest.raises(CheckFailed, match=r"forward, rank 0 made all_gather of \d+ B.*exactly one "
-                                          r"all_reduce"):
-        ch07.check_row_parallel_linear(row_gathered, world_sizes=(3,))
-    with pytest.raises(CheckFailed, match=r"backward, rank 0 made all_reduce of 96 B.*identity"):
-        ch07.check_row_parallel_linear(row_torch_nn_all_reduce, world_sizes=(3,))
-
-
-def test_row_layer_names_the_bias_counted_n_times_and_refuses_the_course_code():
-    with pytest.raises(CheckFailed, match=r"output.*the bias was counted 3 times"):
-        ch07.check_row_parallel_linear(row_bias_every_rank, world_sizes=(3,))
-    with pytest.raises(CheckFailed, match="course's own all_reduce_fwd_identity_bwd"):
-        ch07.check_row_parallel_linear(row_course, world_sizes=(3,))
-    with pytest.raises(TypeError, match="should take 4 arguments"):
-        ch07.check_row_parallel_linear(lambda x, w, b: x)
-
-
-# ---- the MLP ---------------------------------------------------------------------------------
-
-def test_megatron_mlp():
-    ch07.check_megatron_mlp(ImportedSumF, row_bias_inside, world_sizes=(3,))
-    with pytest.raises(CheckFailed, match=r"in step 1's forward, rank 0 made all_gather"):
-        ch07.check_megatron_mlp(IdentityAllReduce, row_gathered, world_sizes=(3,))
-    with pytest.raises(CheckFailed, match="course's own"):
-        ch07.check_megatron_mlp(IdentityAllReduce, row_course, world_sizes=(3,))
-
-
-def test_stubs_are_reported_as_not_written():
     class Stub(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, group):
@@ -210,15 +104,189 @@ def test_stubs_are_reported_as_not_written():
         def backward(ctx, grad):
             raise NotImplementedError
 
-    def stub(x_shard, weight_shard, bias, group):
+    with pytest.raises(NotImplementedError, match=r"Stub.forward is not written yet"):
+        ch07.check_sequence_parallel_pair(GatherListF, Stub, world_sizes=(2,))
+    with pytest.raises(TypeError, match="autograd.Function class itself"):
+        ch07.check_sequence_parallel_pair(GatherListF.apply, ScatterListF)
+
+
+# ---- exercise 2: vocab-parallel cross-entropy ----------------------------------------------------
+
+class SumFwd(torch.autograd.Function):       # a g of one's own: sum forward, identity backward
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        all_reduce(out, op=ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def ce_gathered_stats(logits_shard, target, vocab_start, group):
+    """Differently written: every rank's (max, sum of exps, target logit) all-gathered (3 numbers
+    per token per rank), combined with rescaling; autograd differentiates the local terms."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    m = logits_shard.detach().max(dim=1).values
+    s = (logits_shard - m[:, None]).exp().sum(dim=1)
+    local = target - vocab_start
+    here = (local >= 0) & (local < logits_shard.shape[1])
+    z_t = torch.where(here, logits_shard.gather(1, local.clamp(0, logits_shard.shape[1] - 1)
+                                                [:, None])[:, 0], torch.zeros_like(m))
+    stats = torch.stack([m, s.detach(), z_t.detach()])
+    every = [torch.empty_like(stats) for _ in range(n)]
+    dist.all_gather(every, stats, group=group)
+    M = torch.stack([e[0] for e in every]).max(dim=0).values
+    total = sum((s if r == me else e[1]) * (e[0] - M).exp() for r, e in enumerate(every))
+    target_logit = sum(z_t if r == me else e[2] for r, e in enumerate(every))
+    return total.log() + M - target_logit
+
+
+def ce_with_own_g(logits_shard, target, vocab_start, group):
+    """Differently written: the three all-reduces, the sums through a g of one's own."""
+    m = logits_shard.detach().max(dim=1).values
+    dist.all_reduce(m, op=ReduceOp.MAX, group=group)
+    z = logits_shard - m[:, None]
+    local = target - vocab_start
+    here = ((local >= 0) & (local < z.shape[1])).double()
+    picked = (z * F.one_hot(local.clamp(0, z.shape[1] - 1), z.shape[1]) * here[:, None]).sum(1)
+    return SumFwd.apply(z.exp().sum(1), group).log() - SumFwd.apply(picked, group)
+
+
+def ce_gather_logits(logits_shard, target, vocab_start, group):
+    """The cheat: every shard gathered (padded to one size), then dense F.cross_entropy."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    size = torch.tensor([logits_shard.shape[1]])
+    sizes = [torch.zeros_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    width = int(max(sizes))
+    padded = F.pad(logits_shard.detach(), (0, width - logits_shard.shape[1]))
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded, group=group)
+    parts[me] = F.pad(logits_shard, (0, width - logits_shard.shape[1]))
+    full = torch.cat([p[:, :int(k)] for p, k in zip(parts, sizes)], dim=1)
+    return F.cross_entropy(full, target, reduction="none")
+
+
+def ce_no_max(logits_shard, target, vocab_start, group):
+    local = target - vocab_start
+    here = ((local >= 0) & (local < logits_shard.shape[1])).double()
+    picked = (logits_shard * F.one_hot(local.clamp(0, logits_shard.shape[1] - 1),
+                                       logits_shard.shape[1]) * here[:, None]).sum(1)
+    return (SumFwd.apply(logits_shard.exp().sum(1), group).log()
+            - SumFwd.apply(picked, group))
+
+
+def test_vocab_ce_accepts_differently_written_answers():
+    ch07.check_vocab_parallel_cross_entropy(ce_gathered_stats, world_sizes=(3,))
+    ch07.check_vocab_parallel_cross_entropy(ce_with_own_g, world_sizes=(2,))
+
+
+def test_vocab_ce_refuses_gathering_the_logits():
+    with pytest.raises(CheckFailed, match=r"in forward, rank 0 made all_gather of 24 B, "
+                                          r"all_gather of 840 B .*vocabulary shard's worth.*no "
+                                          r"rank ever holds the \(tokens × vocabulary\) logits"):
+        ch07.check_vocab_parallel_cross_entropy(ce_gather_logits, world_sizes=(3,))
+
+
+def test_vocab_ce_names_the_missing_max_and_refuses_stubs():
+    with pytest.raises(CheckFailed, match=r"logits near 1000\), rank 0, per-token loss.*"
+                                          r"overflows.*op=MAX"):
+        ch07.check_vocab_parallel_cross_entropy(ce_no_max, world_sizes=(2,))
+
+    def vocab_parallel_cross_entropy(logits_shard, target, vocab_start, group):
         raise NotImplementedError
 
-    with pytest.raises(NotImplementedError, match="Stub is not written yet"):
-        ch07.check_identity_all_reduce(Stub)
-    with pytest.raises(NotImplementedError, match="stub is not written yet"):
-        ch07.check_row_parallel_linear(stub)
-    with pytest.raises(NotImplementedError, match="Stub is not written yet"):
-        ch07.check_megatron_mlp(Stub, row_parallel_linear)
+    with pytest.raises(NotImplementedError, match="vocab_parallel_cross_entropy is not written"):
+        ch07.check_vocab_parallel_cross_entropy(vocab_parallel_cross_entropy, world_sizes=(2,))
+    with pytest.raises(TypeError, match="should take 4 arguments"):
+        ch07.check_vocab_parallel_cross_entropy(lambda z, t: z)
+
+
+# ---- exercise 3: predict, then run ---------------------------------------------------------------
+
+def estimate_per_collective(hidden, tokens, tp, dtype, sequence_parallel, link):
+    """Differently written: one collective at a time, dtype.itemsize, the ring as N-1 steps."""
+    S = hidden * tokens * dtype.itemsize
+    if sequence_parallel:
+        layer = ["all_gather", "reduce_scatter"] * 4
+    else:
+        layer = ["all_reduce"] * 4
+    total = 0.0
+    for op in layer:
+        steps = (tp - 1) * (2 if op == "all_reduce" else 1)
+        total += link.latency[op] + steps * (S / tp) / link.busbw[op]
+    return total
+
+
+def _variant(**wrong):
+    """The right formula with one term wrong."""
+    def estimate(hidden, tokens, tp, dtype, sequence_parallel, link):
+        size = wrong.get("bytes", torch.empty((), dtype=dtype).element_size())
+        S = tokens * hidden * size
+        ops = ["all_gather", "reduce_scatter"] if sequence_parallel else ["all_reduce"]
+        t = 0.0
+        for op in ops:
+            factor = (1 if wrong.get("no_ring") else
+                      (tp - 1) / tp * (1 if sequence_parallel else 2))
+            bw = link.busbw["all_reduce" if wrong.get("ar_busbw") else op]
+            lat = 0.0 if wrong.get("no_latency") else link.latency[op]
+            t += wrong.get("count", 4) * (lat + factor * S / bw)
+        return t
+    return estimate
+
+
+@pytest.mark.parametrize("wrong, phrase", [
+    (dict(no_latency=True), r"tp=8, bfloat16, sequence_parallel=False\) on h100-node: your "
+                            r"estimate misses the latency: .*15 µs here"),
+    (dict(count=2), r"counts 2 collectives' latencies where a layer makes 4"),
+    (dict(no_ring=True), r"bandwidth term misses the ring's factor: an all-reduce moves "
+                         r"2\(N-1\)/N·S per rank .* = 1.75·S at N = 8"),
+    (dict(bytes=4), r"bandwidth term does not change with the dtype: S = tokens × hidden × bytes "
+                    r"per element \\(bfloat16 2 B, float32 4 B\\)"),
+    (dict(ar_busbw=True), r"sequence_parallel=True\) on h100-node: your estimate's bandwidth "
+                          r"term divides by another collective's bus bandwidth"),
+])
+def test_estimate_names_the_term_that_is_off(wrong, phrase):
+    with pytest.raises(CheckFailed, match=phrase):
+        ch07.check_tp_comm_estimate(_variant(**wrong))
+
+
+def test_estimate_refuses_the_course_link_model_and_stubs():
+    from distlab import hardware
+
+    def estimate_cheat(hidden, tokens, tp, dtype, sequence_parallel, link):
+        preset = link.name.split(":")[0]
+        model = hardware.PRESETS[preset].link_between(range(tp))
+        S = tokens * hidden * dtype.itemsize
+        ops = ["all_gather", "reduce_scatter"] if sequence_parallel else ["all_reduce"]
+        return sum(4 * model.seconds(op, S, tp) for op in ops)
+
+    with pytest.raises(CheckFailed, match=r"course's own Link.seconds"):
+        ch07.check_tp_comm_estimate(estimate_cheat)
+
+    def layer_comm_seconds(hidden, tokens, tp, dtype, sequence_parallel, link):
+        raise NotImplementedError
+
+    with pytest.raises(NotImplementedError, match="layer_comm_seconds is not written yet"):
+        ch07.check_tp_comm_estimate(layer_comm_seconds)
+
+
+def test_estimate_accepts_a_differently_written_formula_and_runs_the_layer(capsys):
+    ch07.check_tp_comm_estimate(estimate_per_collective)
+    out = capsys.readouterr().out
+    # the emulated layer beside the closed form: the same number, because the same formulas
+    runs = ch07._emulated_layers()
+    assert len(runs) == 4 and all(math.isclose(
+        seconds, ch07._reference_layer_seconds(4096, 4096, 4, torch.bfloat16, sp, cluster),
+        rel_tol=1e-6) for (_, sp), (seconds, _, cluster) in runs.items())
+    assert "h100 2 nodes × 2, TP + SP" in out and "(8 collectives)" in out
+    # what workbook 07 says of the printout: SP's communication is longer inside the H100 node
+    # (NVLink SHARP for all_reduce only, twice the latencies) and nearly ties across two nodes
+    t = {key: seconds for key, (seconds, _, _) in runs.items()}
+    assert t["h100-node", True] > 1.1 * t["h100-node", False]
+    assert abs(t["h100 2 nodes × 2", True] / t["h100 2 nodes × 2", False] - 1) < 0.03
 
 
 # ---- the real-size lesson: TP's communication against its compute -----------------------------

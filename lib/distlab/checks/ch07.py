@@ -1,42 +1,62 @@
-"""Checkers for workbook 07: the column-parallel f pair, the row-parallel layer and the Megatron
-MLP built from them, each run on real ranks (2, 3 and 4 of them) for several SGD steps and
-compared with the dense layer in float64: the output, the input's gradient and the gradient of
-every weight and bias shard.
+"""Checkers for workbook 07: what the chapter describes but never displays.
 
-They also judge the communication, from the run's trace: Megatron's pattern is exactly one
-all-reduce of the input gradient in the column layer's backward, exactly one all-reduce of the
-partial sums in the row layer's forward, nothing else. And the harness does what the chapter
-forbids: the column check sums your Function's output with a residual branch, so autograd hands
-both branches the SAME gradient tensor — a backward that all-reduces it in place changes the
-residual branch's gradient too, and the check sees it.
+1. `check_sequence_parallel_pair`: the two autograd Functions of sequence parallelism — all-gather
+   along the sequence in forward / reduce-scatter in backward (entering a TP region) and its
+   mirror (leaving one) — each run on real ranks (2 and 3) in a column- or row-parallel layer and
+   both in a residual MLP, compared in float64 with the dense layer: outputs, the input's
+   gradient, every weight shard's gradient. From the run's trace: each Function makes exactly
+   one collective of the whole activation in forward and exactly its conjugate in backward (an
+   all-reduce followed by a slice gives the right numbers and twice the bytes: refused).
+2. `check_vocab_parallel_cross_entropy`: each rank holds a vocabulary shard of the logits
+   (uneven shards included); the per-token loss and the logit shard's gradient must equal dense
+   `F.cross_entropy` in float64, with logits near 1000 (float64's exp overflows above 709: a
+   missing max subtraction gives inf). From the trace: what travels in forward is a few numbers
+   per token, never a vocabulary's worth (an all-gather of the logits followed by a dense loss
+   gives the right numbers: refused, with why), and the backward sends nothing.
+3. `check_tp_comm_estimate` (predict, then run): the learner's formula for one transformer
+   layer's TP communication (forward + backward; with or without sequence parallelism) on a
+   calibrated preset, compared term by term (latency alone, bandwidth alone, each dtype) with the
+   closed form the emulator charges, which names the term that is off; then with the course's
+   ParallelBlock run emulated on meta tensors at real size, inside a node and across two.
 
-Inputs and weights are small integers, so the numbers in a message can be read by eye.
+Inputs are small integers wherever the numbers may reach a message, so they can be read by eye.
 """
-import inspect
+import contextlib
+import dataclasses
+import io
+import math
 import re
+import types
 
 import torch
 import torch.nn.functional as F
 
+from .. import cost as _cost
+from .. import emulate as _emulate
+from .. import hardware as _hardware
 from .. import tensor_parallel as _tpm
 from .. import tp_comm as _tp_comm
 from .. import trace as _trace
 from ..launch import RankFailed
-from . import (expect_arguments, CheckFailed, UsedCourseCode, _not_written, compare, forbid, passed, run,
-               sizes_phrase)
+from . import (expect_arguments, CheckFailed, UsedCourseCode, _not_written, call_learner,
+               compare, forbid, passed, run, sizes_phrase, unsolved_stub)
 
-WORLD_SIZES = (2, 3, 4)
-STEPS, LR = 3, 0.01
 TOL = dict(atol=1e-9, rtol=1e-9)
-TIMEOUT = 20  # a learner's deadlock is reported (with where each rank waits) within this
+TIMEOUT = 60  # a learner's deadlock is reported (with where each rank waits) within this; a rank
+# that imports the checkers spends seconds importing before it starts (nbformat, via checks)
 
 
 def _course_code():
     """What the workbook asks the learner to write: the course's versions are refused."""
-    objs = [_tp_comm._all_reduce, _tp_comm.identity_fwd_all_reduce_bwd,
-            _tp_comm.all_reduce_fwd_identity_bwd, _tpm.replicated,
-            _tpm.ColumnParallelLinear, _tpm.RowParallelLinear, _tpm.ParallelMLP]
-    for cls in (_tp_comm.IdentityFwdAllReduceBwd, _tp_comm.AllReduceFwdIdentityBwd):
+    objs = [_tp_comm._all_reduce, _tp_comm._all_gather, _tp_comm._reduce_scatter,
+            _tp_comm._split, _tp_comm.all_gather_fwd_reduce_scatter_bwd,
+            _tp_comm.reduce_scatter_fwd_all_gather_bwd, _tp_comm.all_gather_fwd_split_bwd,
+            _tp_comm.split_fwd_all_gather_bwd, _tp_comm.identity_fwd_all_reduce_bwd,
+            _tp_comm.all_reduce_fwd_identity_bwd, _tpm.replicated, _tpm.ColumnParallelLinear,
+            _tpm.RowParallelLinear, _tpm.ParallelMLP, _tpm.ParallelBlock]
+    for cls in (_tp_comm.AllGatherFwdReduceScatterBwd, _tp_comm.ReduceScatterFwdAllGatherBwd,
+                _tp_comm.AllGatherFwdSplitBwd, _tp_comm.SplitFwdAllGatherBwd,
+                _tp_comm.IdentityFwdAllReduceBwd, _tp_comm.AllReduceFwdIdentityBwd):
         objs += [cls.forward, cls.backward]
     return objs
 
@@ -46,22 +66,33 @@ def _ints(shape, seed, low=-3, high=4):
     return torch.randint(low, high, shape, generator=g).double()
 
 
-def _run(rank_fn, ws, *args, name, is_function=False):
+def _run(rank_fn, ws, *args, name, is_function=False, **kw):
     """Run traced; the course's own code refused with its one sentence; a stub named (the
-    Function whose forward or backward is still a stub, when that is where it raised)."""
+    Function whose forward or backward is still a stub, when that is where it raised); a
+    backward that returns the wrong shape told so."""
     try:
-        return run(rank_fn, ws, *args, timeout=TIMEOUT, trace=True)
+        return run(rank_fn, ws, *args, timeout=TIMEOUT, trace=True, **kw)
     except RankFailed as e:
+        said = (str(e.exception or e).splitlines() or [""])[-1]
         if e.exc_type == "NotImplementedError":
             frames = re.findall(r"line \d+, in (\w+)", e.remote_traceback or "")
             if not is_function and frames and frames[-1] in ("forward", "backward"):
                 raise _not_written(f"the {frames[-1]} of the autograd Function that {name} "
                                    f"uses") from None
             raise _not_written(name) from None
-        if e.exc_type == UsedCourseCode.__name__:
-            raise CheckFailed(str(e.exception or e).splitlines()[-1]) from None
-        if e.exc_type == CheckFailed.__name__:
-            raise CheckFailed(str(e.exception or e).splitlines()[-1]) from None
+        if e.exc_type in (UsedCourseCode.__name__, CheckFailed.__name__):
+            raise CheckFailed(said) from None
+        text = str(e.exception or e)
+        if e.exc_type == "RuntimeError" and "returned an invalid gradient" in text:
+            found = re.search(r"Function (\w+?)Backward returned an invalid gradient at index "
+                              r"(\d+) - got \[([\d, ]*)\] but expected shape compatible with "
+                              r"\[([\d, ]*)\]", text)
+            if found:
+                fn, _, got, want = found.groups()
+                raise CheckFailed(
+                    f"{fn}.backward returned a gradient of shape ({got}) for an input of shape "
+                    f"({want}): backward returns the gradient of forward's input, shaped like "
+                    f"that input (here: the other collective of the pair).") from None
         raise
 
 
@@ -70,29 +101,26 @@ def _require_function_class(fn, example):
     if not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function)):
         raise TypeError(f"the check needs your torch.autograd.Function class itself, e.g. "
                         f"{example}; got {fn!r}.")
+    import inspect
     for method, wanted in (("forward", ("ctx", "x", "group")), ("backward", ("ctx", "grad"))):
         try:
-            params = list(inspect.signature(getattr(fn, method)).parameters)
+            params = inspect.signature(getattr(fn, method)).parameters
         except (TypeError, ValueError):
             continue
-        if len(params) != len(wanted) and not any(
-                p.kind == p.VAR_POSITIONAL for p in inspect.signature(
-                    getattr(fn, method)).parameters.values()):
+        if len(params) != len(wanted) and not any(p.kind == p.VAR_POSITIONAL
+                                                  for p in params.values()):
             raise TypeError(f"{name}.{method} should take ({', '.join(wanted)}) — a "
                             f"@staticmethod; it takes ({', '.join(params)}).")
     return name
 
 
-def _require_callable(fn, n_args, example):
-    return expect_arguments(fn, n_args, example, getattr(fn, "__name__", repr(fn)))
-
-
-def _returned_tensor(out, like, what):
+def _returned_tensor(out, like, what, hint=""):
     """Inside a rank, before anything else happens: the learner's result has the right shape."""
     if not isinstance(out, torch.Tensor):
         raise CheckFailed(f"{what} should return a tensor; it returned {type(out).__name__}.")
     if tuple(out.shape) != tuple(like):
-        raise CheckFailed(f"{what} returned shape {tuple(out.shape)}; expected {tuple(like)}.")
+        raise CheckFailed(f"{what} returned shape {tuple(out.shape)}; expected {tuple(like)}"
+                          f"{hint}.")
     if not out.requires_grad:
         raise CheckFailed(f"{what} returned a tensor autograd cannot differentiate (no grad_fn): "
                           f"no .detach(), no .data, no copy into a new tensor — return the "
@@ -100,280 +128,598 @@ def _returned_tensor(out, like, what):
     return out
 
 
-# ---- the structure, from the trace ----------------------------------------------------------
-
-def _phase_calls(trace, rank, phase):
-    return [e for e in trace.comm(rank) if e["label"] and e["label"][0].startswith(phase)]
-
-
 def _describe_calls(calls):
     if not calls:
-        return "no collective"
-    return ", ".join(f"{e['op']} of {e['bytes']} B" for e in calls)
+        return "no communication"
+    return ", ".join(f"{e['op']} of {e['bytes']:,} B" for e in calls)
 
 
-def _check_structure(trace, ws, expected, context, rules):
-    """expected: {phase: nbytes or None} — in each step's phase exactly one all_reduce of nbytes
-    over all the ranks, or (None) no communication at all."""
+def _phase_calls(trace, rank, phase):
+    return [e for e in trace.comm(rank) if e["label"] and e["label"][0] == phase]
+
+
+def _scaled(got, expected, ws):
+    return (got is not None and expected.abs().max() > 0
+            and torch.allclose(got, ws * expected, **TOL))
+
+
+def _compare(got, expected, where, hint=lambda got, exp: ""):
+    for what in expected:
+        if got[what] is None:
+            raise CheckFailed(f"{where}, {what}: none came back; is the output still connected "
+                              f"to autograd (no .detach(), no copy into a new tensor)?")
+        try:
+            compare(got[what], expected[what], f"{where}, {what}", **TOL)
+        except CheckFailed as e:
+            raise CheckFailed(str(e)[:-1] + hint(what, got[what]) + ".") from None
+
+
+# ---- exercise 1: the sequence-parallel pair -----------------------------------------------------
+
+SP_WORLD_SIZES = (2, 3)
+SP_STEPS, LR = 2, 0.01
+
+
+def _sp_rank(rank, ws, gather, scatter):
+    """Three harnesses, each against the dense layer in this process: (a) the gather in front of
+    a column-parallel layer, (b) the scatter after a row-parallel one, (c) both around a residual
+    MLP. Each rank holds `per` tokens of a (b, t, d) activation: t = per · ws."""
+    b, per, d, hidden = 2, 2, 3, 2 * ws
+    t, mine, cols = per * ws, slice(rank * per, rank * per + per), slice(2 * rank, 2 * rank + 2)
+    x, h = _ints((b, t, d), 31 + ws), _ints((b, t, hidden), 32 + ws)
+    g1, g2 = _ints((b, t, hidden), 33 + ws), _ints((b, t, d), 34 + ws)     # loss weightings
+    dense = {k: _ints(s, 35 + ws + i).requires_grad_() for i, (k, s) in enumerate(
+        (("w1", (hidden, d)), ("w2", (d, hidden)), ("w3", (hidden, d)), ("w4", (d, hidden)))
+    )}
+    shard = {"w1": dense["w1"][cols], "w2": dense["w2"][:, cols], "w3": dense["w3"][cols],
+             "w4": dense["w4"][:, cols]}
+    shard = {k: v.detach().clone().requires_grad_() for k, v in shard.items()}
+    gname, sname = gather.__name__, scatter.__name__
+    refuse = dict(exercise="write the Function yourself")
+    steps = []
+    for step in range(1, SP_STEPS + 1):
+        got, want = {}, {}
+        # (a) entering a TP region: my tokens in, the whole sequence out, into my output features
+        xi = x[:, mine].clone().requires_grad_()
+        with _trace.span(f"gather forward {step}"):
+            with forbid(*_course_code(), **refuse):
+                full = gather.apply(xi, None)
+            _returned_tensor(full, (b, t, d), f"{gname}.apply(x, group) with x of shape "
+                             f"{tuple(xi.shape)}", " — all ranks' tokens, gathered along the "
+                             "sequence (dim 1), in rank order")
+            y = F.linear(full, shard["w1"])
+        with _trace.span(f"gather backward {step}"):
+            with forbid(*_course_code(), **refuse):
+                (y * g1[..., cols]).sum().backward()
+        xd = x.clone().requires_grad_()
+        (F.linear(xd, dense["w1"]) * g1).sum().backward()
+        got["a"] = {"output": y.detach(), "gradient of this rank's tokens": xi.grad,
+                    "weight-shard gradient": shard["w1"].grad}
+        want["a"] = {"output": F.linear(x, dense["w1"].detach())[..., cols],
+                     "gradient of this rank's tokens": xd.grad[:, mine],
+                     "weight-shard gradient": dense["w1"].grad[cols]}
+        own = (g1[..., cols] @ shard["w1"].detach())[:, mine]        # this rank's term alone
+        # (b) leaving a TP region: a partial sum of the whole sequence in, my tokens summed out
+        hi = h[..., cols].clone().requires_grad_()
+        with _trace.span(f"scatter forward {step}"):
+            partial = F.linear(hi, shard["w2"])
+            with forbid(*_course_code(), **refuse):
+                out = scatter.apply(partial, None)
+            _returned_tensor(out, (b, per, d), f"{sname}.apply(partial, group) with a partial "
+                             f"sum of shape {tuple(partial.shape)}", " — this rank's tokens "
+                             "(dim 1) of the sum over ranks")
+        with _trace.span(f"scatter backward {step}"):
+            with forbid(*_course_code(), **refuse):
+                (out * g2[:, mine]).sum().backward()
+        hd = h.clone().requires_grad_()
+        yd = F.linear(hd, dense["w2"])
+        (yd * g2).sum().backward()
+        got["b"] = {"output": out.detach(), "input gradient": hi.grad,
+                    "weight-shard gradient": shard["w2"].grad}
+        want["b"] = {"output": yd.detach()[:, mine], "input gradient": hd.grad[..., cols],
+                     "weight-shard gradient": dense["w2"].grad[:, cols]}
+        # (c) both, around a residual MLP: x + fc2(gelu(fc1(x))), the loss of my tokens
+        xi = x[:, mine].clone().requires_grad_()
+        with _trace.span(f"mlp {step}"):
+            with forbid(*_course_code(), **refuse):
+                z = F.gelu(F.linear(gather.apply(xi, None), shard["w3"]))
+                yc = xi + scatter.apply(F.linear(z, shard["w4"]), None)
+                (yc ** 2).sum().backward()
+        xd = x.clone().requires_grad_()
+        ycd = xd + F.linear(F.gelu(F.linear(xd, dense["w3"])), dense["w4"])
+        (ycd ** 2).sum().backward()
+        got["c"] = {"output": yc.detach(), "gradient of this rank's tokens": xi.grad,
+                    "fc1 weight-shard gradient": shard["w3"].grad,
+                    "fc2 weight-shard gradient": shard["w4"].grad}
+        want["c"] = {"output": ycd.detach()[:, mine], "gradient of this rank's tokens":
+                     xd.grad[:, mine], "fc1 weight-shard gradient": dense["w3"].grad[cols],
+                     "fc2 weight-shard gradient": dense["w4"].grad[:, cols]}
+        steps.append((got, want, own))
+        with torch.no_grad():
+            for k in shard:
+                shard[k] -= LR * shard[k].grad
+                dense[k] -= LR * dense[k].grad
+                shard[k].grad, dense[k].grad = None, None
+    return steps
+
+
+def _stub_of(*functions):
+    """Which Function (and which of its methods) is still a stub: each is asked on its own, in
+    this process (a stub raises before it touches a process group)."""
+    for cls in functions:
+        for method, args in (("forward", (types.SimpleNamespace(), torch.zeros(1, 2, 1), None)),
+                             ("backward", (types.SimpleNamespace(group=None),
+                                           torch.zeros(1, 2, 1)))):
+            try:
+                getattr(cls, method)(*args)
+            except NotImplementedError:
+                return f"{cls.__name__}.{method}"
+            except Exception:
+                pass
+    return " or ".join(cls.__name__ for cls in functions)
+
+
+_SP_RULES = {
+    "gather forward": ("all_gather", "x", "entering a TP region, every rank needs the whole "
+                       "sequence: exactly one all_gather of it (each rank sends its (N-1)/N share "
+                       "on a ring), no other collective."),
+    "gather backward": ("reduce_scatter", "x", "every rank used the gathered copy, so the "
+                        "gradient of each token is a sum over ranks, and each rank keeps only "
+                        "its own tokens of that sum: exactly one reduce_scatter — an all_reduce "
+                        "and a slice would give the same numbers for twice the bytes."),
+    "scatter forward": ("reduce_scatter", "y", "leaving a TP region, the partial sums are added "
+                        "and each rank keeps its tokens: exactly one reduce_scatter — an "
+                        "all_reduce and a slice would send twice the bytes."),
+    "scatter backward": ("all_gather", "y", "every rank's partial sum fed every token, so each "
+                         "needs the gradient of the whole sequence: exactly one all_gather of it."),
+}
+
+
+def _check_sp_structure(trace, ws, names):
+    sizes = {"x": 2 * 2 * ws * 3 * 8, "y": 2 * 2 * ws * 3 * 8}
     for rank in range(ws):
-        for step in range(1, STEPS + 1):
-            for phase, nbytes in expected.items():
+        for step in range(1, SP_STEPS + 1):
+            for phase, (op, which, why) in _SP_RULES.items():
                 calls = _phase_calls(trace, rank, f"{phase} {step}")
-                if nbytes is None:
-                    ok = not calls
-                else:
-                    ok = (len(calls) == 1 and calls[0]["op"] == "all_reduce"
-                          and calls[0]["bytes"] == nbytes
-                          and len(calls[0]["group"] or ()) in (0, ws))
+                ok = (len(calls) == 1 and calls[0]["op"] == op
+                      and calls[0]["bytes"] == sizes[which]
+                      and len(calls[0]["group"] or ()) in (0, ws))
                 if not ok:
+                    who = names[0] if phase.startswith("gather") else names[1]
                     raise CheckFailed(
-                        f"{context}: in step {step}'s {phase}, rank {rank} made "
-                        f"{_describe_calls(calls)} (from the run's trace); {rules[phase]}")
+                        f"{who} with {ws} ranks, in step {step}'s {phase.split()[1]}: rank "
+                        f"{rank} made {_describe_calls(calls)} (from the run's trace); {why}")
 
 
-def _hint_if_scaled(got, expected, ws, what):
-    """A sentence when `got` is `expected` times the number of ranks (a sum where none belongs)."""
-    if got is not None and expected.abs().max() > 0 and torch.allclose(got, ws * expected):
-        return f" ({what} is {ws}× the right one: {ws} = the number of ranks)"
-    return ""
-
-
-# ---- exercise 1: the column-parallel pair ---------------------------------------------------
-
-def _column_rank(rank, ws, function):
-    out_features, in_features, batch = 2 * ws, 3, 4
-    w_full, b_full = _ints((out_features, in_features), 11 + ws), _ints((out_features,), 12 + ws)
-    x, skip = _ints((batch, in_features), 13 + ws), _ints((batch, in_features), 14 + ws)
-    weighting = _ints((batch, out_features), 15 + ws)
-    mine = slice(rank * 2, rank * 2 + 2)
-    w = w_full[mine].clone().requires_grad_()
-    b = b_full[mine].clone().requires_grad_()
-    wd, bd = w_full.clone().requires_grad_(), b_full.clone().requires_grad_()
-    steps = []
-    for step in range(1, STEPS + 1):
-        xi, si = x.clone().requires_grad_(), skip.clone().requires_grad_()
-        with _trace.span(f"forward {step}"):
-            # A residual branch computed earlier in the forward; it joins your Function's output
-            # in an add, so in backward autograd hands both branches the very same gradient
-            # tensor, and runs your backward first (it was recorded last).
-            residual = 2 * si
-            with forbid(*_course_code(), exercise="write the Function yourself"):
-                shared = function.apply(xi, None)
-            _returned_tensor(shared, x.shape, f"{function.__name__}.apply(x, group)")
-            y = F.linear(shared + residual, w, b)
-        with _trace.span(f"backward {step}"):
-            with forbid(*_course_code(), exercise="write the Function yourself"):
-                (y * weighting[:, mine]).sum().backward()
-        # the dense reference, in this process: the whole layer, no communication
-        xd, sd = x.clone().requires_grad_(), skip.clone().requires_grad_()
-        yd = F.linear(xd + 2 * sd, wd, bd)
-        (yd * weighting).sum().backward()
-        # The residual branch sees only this rank's own term of the gradient: the add hands it
-        # the gradient of this rank's y (weighting · W_mine), before any sum over ranks.
-        skip_expected = 2 * (weighting[:, mine] @ w.detach())
-        steps.append(({"output": y.detach(), "input gradient": xi.grad,
-                       "residual-branch gradient": si.grad, "weight-shard gradient": w.grad,
-                       "bias-shard gradient": b.grad},
-                      {"output": yd.detach()[:, mine], "input gradient": xd.grad,
-                       "residual-branch gradient": skip_expected,
-                       "weight-shard gradient": wd.grad[mine], "bias-shard gradient": bd.grad[mine]}))
-        with torch.no_grad():
-            for p, pd in ((w, wd), (b, bd)):
-                p -= LR * p.grad
-                pd -= LR * pd.grad
-                p.grad, pd.grad = None, None
-    return steps
-
-
-def _compare_steps(results, ws, context, hints=lambda got, exp, what: ""):
-    for rank, steps in enumerate(results):
-        for step, (got, expected) in enumerate(steps, 1):
-            for what in expected:
-                where = f"{context} with {ws} ranks, rank {rank}, step {step}, {what}"
-                if got[what] is None:
-                    raise CheckFailed(f"{where}: none came back; is the output still connected "
-                                      f"to autograd (no .detach(), no copy into a new tensor)?")
-                try:
-                    compare(got[what], expected[what], where, **TOL)
-                except CheckFailed as e:
-                    raise CheckFailed(str(e)[:-1] + hints(got[what], expected[what], what)
-                                      + ".") from None
-
-
-def check_identity_all_reduce(learner_function, world_sizes=WORLD_SIZES):
-    """learner_function: an autograd.Function, apply(x, group): identity forward, all-reduce
-    backward. Used as the input of a column-parallel layer, the whole layer must equal dense."""
-    name = _require_function_class(learner_function,
-                                   "check_identity_all_reduce(IdentityAllReduce)")
-
-    def hints(got, expected, what):
-        if what == "residual-branch gradient":
-            if got is not None and not torch.allclose(got, expected):
-                return (" — your backward changed the gradient it was given: autograd handed "
-                        "that same tensor to the residual branch, and dist.all_reduce works in "
-                        "place; all-reduce a copy (grad.clone())")
-        if what == "input gradient":
-            return _hint_if_scaled(got, expected, ws, "the gradient") or (
-                " — the input's gradient is the sum over ranks of each rank's own term "
-                "(plus the residual branch's own term)")
-        return ""
-
-    for ws in world_sizes:
-        results = _run(_column_rank, ws, learner_function, name=name, is_function=True)
-        _compare_steps(results, ws, f"a column-parallel layer behind {name}", hints)
-        _check_structure(
-            results.trace, ws, {"forward": None, "backward": 4 * 3 * 8},
-            f"{name} with {ws} ranks",
-            {"forward": "f is the identity in forward: every rank already holds the whole x, "
-                        "so it sends nothing.",
-             "backward": "f's backward is exactly one all_reduce of the input's gradient "
-                         "(4×3 float64 = 96 B) over the group — no other collective."})
-    passed(f"{name} makes a column-parallel layer equal to the dense one for {STEPS} SGD steps — "
-           f"output, input gradient, a residual branch's gradient, every weight and bias "
-           f"shard's gradient — on {sizes_phrase(world_sizes)} ranks, with one all-reduce in "
-           f"backward and none in forward.")
-
-
-# ---- exercise 2: the row-parallel layer -------------------------------------------------------
-
-def _row_rank(rank, ws, learner_fn):
-    out_features, batch = 3, 4
-    in_features = 2 * ws
-    w_full, b_full = _ints((out_features, in_features), 21 + ws), _ints((out_features,), 22 + ws)
-    x, weighting = _ints((batch, in_features), 23 + ws), _ints((batch, out_features), 24 + ws)
-    mine = slice(rank * 2, rank * 2 + 2)
-    w = w_full[:, mine].clone().requires_grad_()
-    b = b_full.clone().requires_grad_()
-    wd, bd = w_full.clone().requires_grad_(), b_full.clone().requires_grad_()
-    steps = []
-    for step in range(1, STEPS + 1):
-        xs = x[:, mine].clone().requires_grad_()
-        with _trace.span(f"forward {step}"):
-            with forbid(*_course_code(), exercise="write the row-parallel layer yourself"):
-                out = learner_fn(xs, w, b, None)
-            _returned_tensor(out, (batch, out_features), learner_fn.__name__)
-        with _trace.span(f"backward {step}"):
-            with forbid(*_course_code(), exercise="write the row-parallel layer yourself"):
-                (out * weighting).sum().backward()
-        xd = x.clone().requires_grad_()
-        yd = F.linear(xd, wd, bd)
-        (yd * weighting).sum().backward()
-        steps.append(({"output": out.detach(), "input-shard gradient": xs.grad,
-                       "weight-shard gradient": w.grad, "bias gradient": b.grad},
-                      {"output": yd.detach(), "input-shard gradient": xd.grad[:, mine],
-                       "weight-shard gradient": wd.grad[:, mine], "bias gradient": bd.grad}))
-        with torch.no_grad():
-            for p, pd in ((w, wd), (b, bd)):
-                p -= LR * p.grad
-                pd -= LR * pd.grad
-                p.grad, pd.grad = None, None
-    return steps, b_full
-
-
-def check_row_parallel_linear(learner_fn, world_sizes=WORLD_SIZES):
-    """learner_fn(x_shard, weight_shard, bias, group) -> y, the dense layer's full output."""
-    name = _require_callable(learner_fn, 4, "row_parallel_linear(x_shard, weight_shard, bias, "
-                                            "group)")
-    for ws in world_sizes:
-        results = _run(_row_rank, ws, learner_fn, name=name)
-        bias = results[0][1]
-
-        def hints(got, expected, what, ws=ws):
-            if what == "output" and torch.allclose(got, expected + (ws - 1) * bias):
-                return (f" — the bias was counted {ws} times: add it once, after the sum over "
-                        f"ranks")
-            if what != "output":
-                return _hint_if_scaled(got, expected, ws, "the gradient")
-            return ""
-
-        _check_structure(
-            results.trace, ws, {"forward": 4 * 3 * 8, "backward": None},
-            f"{name} with {ws} ranks",
-            {"forward": "the row-parallel layer sums the ranks' partial outputs with exactly one "
-                        "all_reduce (4×3 float64 = 96 B) — no other collective.",
-             "backward": "the backward of that all-reduce is the identity (every partial sum "
-                         "receives the whole output gradient), so it sends nothing."})
-        _compare_steps([r[0] for r in results], ws, name, hints)
-    passed(f"{name} equals the dense layer for {STEPS} SGD steps — output, input gradient, "
-           f"weight and bias gradients — on {sizes_phrase(world_sizes)} ranks, with one "
-           f"all-reduce in forward and none in backward.")
-
-
-# ---- together: the Megatron MLP ----------------------------------------------------------------
-
-def _mlp_rank(rank, ws, function, row_fn):
-    from ..models import make_gpt
-    dense = make_gpt(d_model=12, n_heads=2, seed=0).blocks[0].mlp.double()   # 12 -> 48 -> 12
-    x = torch.randn(2, 3, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(ws))
-    shard = lambda t, dim=0: t.detach().chunk(ws, dim=dim)[rank].clone().requires_grad_()
-    w1, b1, w2 = shard(dense.fc1.weight), shard(dense.fc1.bias), shard(dense.fc2.weight, 1)
-    b2 = dense.fc2.bias.detach().clone().requires_grad_()
-    steps = []
-    for step in range(1, STEPS + 1):
-        xd = x.clone().requires_grad_()
-        y = xd + dense(xd)                                    # a residual block
-        (y ** 2).sum().backward()
-        xt = x.clone().requires_grad_()
-        with forbid(*_course_code(), exercise="build the MLP from your own two pieces"):
-            with _trace.span(f"forward {step}"):
-                h = F.gelu(F.linear(function.apply(xt, None), w1, b1))
-                out = row_fn(h, w2, b2, None)
-                _returned_tensor(out, x.shape, row_fn.__name__)
-                out = xt + out
-            with _trace.span(f"backward {step}"):
-                (out ** 2).sum().backward()
-        steps.append(({"output": out.detach(), "input gradient": xt.grad,
-                       "fc1 weight-shard gradient": w1.grad, "fc1 bias-shard gradient": b1.grad,
-                       "fc2 weight-shard gradient": w2.grad, "fc2 bias gradient": b2.grad}, {
-            "output": y.detach(), "input gradient": xd.grad,
-            "fc1 weight-shard gradient": dense.fc1.weight.grad.chunk(ws)[rank],
-            "fc1 bias-shard gradient": dense.fc1.bias.grad.chunk(ws)[rank],
-            "fc2 weight-shard gradient": dense.fc2.weight.grad.chunk(ws, dim=1)[rank],
-            "fc2 bias gradient": dense.fc2.bias.grad}))
-        with torch.no_grad():
-            for p in (w1, b1, w2, b2, *dense.parameters()):
-                p -= LR * p.grad
-                p.grad = None
-    return steps
-
-
-def check_megatron_mlp(learner_function, learner_row_fn, world_sizes=WORLD_SIZES):
-    """The tiny GPT's MLP as fc1 column-parallel (behind learner_function) → GELU → fc2 through
-    learner_row_fn, in a residual block, against the dense MLP."""
-    if not (isinstance(learner_function, type) and callable(learner_row_fn)):
-        raise TypeError(f"the check needs your autograd.Function class and your row-parallel "
-                        f"function, in that order, e.g. check_megatron_mlp(IdentityAllReduce, "
-                        f"row_parallel_linear); got {learner_function!r}, {learner_row_fn!r}.")
-    names = (_require_function_class(learner_function, "IdentityAllReduce"),
-             _require_callable(learner_row_fn, 4, "row_parallel_linear(x_shard, weight_shard, "
-                                                   "bias, group)"))
-    S = 2 * 3 * 12 * 8
+def check_sequence_parallel_pair(gather_function, scatter_function, world_sizes=SP_WORLD_SIZES):
+    """gather_function: an autograd.Function, apply(x, group): all-gather along dim 1 (the
+    sequence) in forward, reduce-scatter along dim 1 in backward. scatter_function: the mirror,
+    apply(partial, group): reduce-scatter along dim 1 in forward, all-gather in backward."""
+    names = (_require_function_class(gather_function, "AllGatherSequence"),
+             _require_function_class(scatter_function, "ReduceScatterSequence"))
+    stub = unsolved_stub(*(getattr(cls, m) for cls in (gather_function, scatter_function)
+                           for m in ("forward", "backward")))
+    if stub is not None:                 # named at once, without launching ranks to find it
+        raise _not_written(stub.__qualname__)
+    labels = {"a": f"{names[0]} in front of a column-parallel layer",
+              "b": f"{names[1]} after a row-parallel layer",
+              "c": f"a residual MLP between {names[0]} and {names[1]}"}
     for ws in world_sizes:
         try:
-            results = _run(_mlp_rank, ws, learner_function, learner_row_fn, name=names[1])
+            results = _run(_sp_rank, ws, gather_function, scatter_function,
+                           name=f"{names[0]} or {names[1]}", is_function=True)
         except NotImplementedError:
-            # Whose stub was it? Ask each piece on its own.
-            try:
-                learner_function.backward(None, torch.zeros(1))
-            except NotImplementedError:
-                raise _not_written(names[0]) from None
-            except Exception:
-                pass
-            try:
-                learner_function.forward(type("ctx", (), {})(), torch.zeros(1), None)
-            except NotImplementedError:
-                raise _not_written(names[0]) from None
-            except Exception:
-                pass
-            raise
-        _check_structure(
-            results.trace, ws, {"forward": S, "backward": S},
-            f"the Megatron MLP ({names[0]} → fc1 → GELU → {names[1]}) with {ws} ranks",
-            {"forward": f"Megatron's MLP makes exactly one all_reduce in forward, fc2's partial "
-                        f"sums (2×3×12 float64 = {S} B).",
-             "backward": f"Megatron's MLP makes exactly one all_reduce in backward, fc1's input "
-                         f"gradient ({S} B)."})
-        _compare_steps(results, ws, "the Megatron MLP")
-    passed(f"your Megatron MLP ({names[0]} → fc1 → GELU → {names[1]}) in a residual block equals "
-           f"the dense one for {STEPS} SGD steps, every gradient included, on "
-           f"{sizes_phrase(world_sizes)} ranks — one all-reduce forward, one backward.")
+            raise _not_written(_stub_of(gather_function, scatter_function)) from None
+        for rank, steps in enumerate(results):
+            for step, (got, want, own) in enumerate(steps, 1):
+                for part in "abc":
+                    def hint(what, value, part=part):
+                        if part == "a" and what.startswith("gradient") and torch.allclose(
+                                value, own, **TOL):
+                            return (" — that is only this rank's own term: every rank used the "
+                                    "gathered copy of these tokens, so their gradient is the sum "
+                                    "over ranks of each rank's gradient for them (sum, then keep "
+                                    "this rank's tokens: a reduce-scatter)")
+                        if _scaled(value, want[part][what], ws):
+                            return (f" ({what} is {ws}× the right one: {ws} = the number of "
+                                    f"ranks)")
+                        return ""
+                    _compare(got[part], want[part],
+                             f"{labels[part]} with {ws} ranks, rank {rank}, step {step}", hint)
+        _check_sp_structure(results.trace, ws, names)
+    passed(f"{names[0]} and {names[1]} make a column-parallel layer, a row-parallel layer and a "
+           f"residual MLP equal to the dense ones for {SP_STEPS} SGD steps — outputs, the "
+           f"gradient of each rank's tokens, every weight shard's gradient — on "
+           f"{sizes_phrase(world_sizes)} ranks, with one all-gather forward and one "
+           f"reduce-scatter backward (and the mirror), nothing else.")
+
+
+# ---- exercise 2: vocab-parallel cross-entropy ---------------------------------------------------
+
+# (tokens, vocabulary, logit offset) per world size: vocabularies that split unevenly (13 on 2,
+# 20 on 3 as 7/7/6) and logits near 1000, where float64's exp overflows (above 709).
+VOCAB_CASES = {2: ((4, 13, 0.0), (6, 16, 1000.0)), 3: ((5, 20, 1000.0), (3, 16, 0.0))}
+VOCAB_WORLD_SIZES = (2, 3)
+PER_TOKEN = 3    # numbers per token a rank may send in forward: max, sum of exps, target logit
+
+
+def _vocab_shards(vocab, ws):
+    """[(start, size)] per rank: the first vocab % ws ranks hold one entry more."""
+    sizes = [vocab // ws + (r < vocab % ws) for r in range(ws)]
+    return [(sum(sizes[:r]), sizes[r]) for r in range(ws)]
+
+
+def _reference_logits(tokens, vocab, offset, ws, seed):
+    """Logits (small integers + offset), targets that hit the first and last entry and both sides
+    of every shard boundary, and a weighting of the per-token losses."""
+    g = torch.Generator().manual_seed(seed)
+    z = offset + torch.randint(-12, 13, (tokens, vocab), generator=g).double()
+    edges = [0, vocab - 1] + [s + d for s, _ in _vocab_shards(vocab, ws)[1:] for d in (-1, 0)]
+    target = torch.tensor([edges[i % len(edges)] for i in range(tokens)])
+    weighting = torch.randint(1, 4, (tokens,), generator=g).double()
+    return z, target, weighting
+
+
+def _vocab_rank(rank, ws, fn, name):
+    out = []
+    for c, (tokens, vocab, offset) in enumerate(VOCAB_CASES[ws]):
+        z, target, weighting = _reference_logits(tokens, vocab, offset, ws, 50 + 10 * ws + c)
+        start, size = _vocab_shards(vocab, ws)[rank]
+        shard = z[:, start:start + size].clone().requires_grad_()
+        with _trace.span(f"forward {c}"):
+            with forbid(*_course_code(), exercise="write the loss yourself"):
+                loss = fn(shard, target.clone(), start, None)
+            _returned_tensor(loss, (tokens,), f"{name}(logits_shard, target, vocab_start, group)",
+                             " — one loss per token, the same on every rank (no mean, no sum)")
+        with _trace.span(f"backward {c}"):
+            with forbid(*_course_code(), exercise="write the loss yourself"):
+                (loss * weighting).sum().backward()
+        zd = z.clone().requires_grad_()
+        dense = F.cross_entropy(zd, target, reduction="none")
+        (dense * weighting).sum().backward()
+        onehot = F.one_hot(target, vocab).double()[:, start:start + size] * weighting[:, None]
+        out.append(({"per-token loss": loss.detach(), "logit-shard gradient": shard.grad},
+                    {"per-token loss": dense.detach(),
+                     "logit-shard gradient": zd.grad[:, start:start + size]}, onehot))
+    return out
+
+
+def _vocab_where(ws, c):
+    tokens, vocab, offset = VOCAB_CASES[ws][c]
+    split = "/".join(str(s) for _, s in _vocab_shards(vocab, ws))
+    return (f"{tokens} tokens, a vocabulary of {vocab} split {split} over {ws} ranks, logits "
+            f"{'near ' + format(offset, 'g') if offset else 'between -12 and 12'}")
+
+
+def _check_vocab_structure(trace, ws, name):
+    for c, (tokens, vocab, _) in enumerate(VOCAB_CASES[ws]):
+        limit = PER_TOKEN * tokens * 8
+        for rank in range(ws):
+            calls = _phase_calls(trace, rank, f"forward {c}")
+            # what this rank contributes: an all-gather's trace bytes are the gathered result
+            sent = [(e, e["bytes"] // ws if e["op"] in ("all_gather", "gather") else e["bytes"])
+                    for e in calls]
+            worst = max(sent, key=lambda s: s[1], default=None)
+            total = sum(s for _, s in sent)
+            if worst is not None and (worst[1] > limit or total > limit + tokens * 8):
+                per_token = total / (tokens * 8)
+                whole = (" — a vocabulary shard's worth, the logits themselves"
+                         if per_token >= 0.9 * vocab / ws else "")
+                raise CheckFailed(
+                    f"{name} ({_vocab_where(ws, c)}): in forward, rank {rank} made "
+                    f"{_describe_calls(calls)} (from the run's trace), {per_token:.3g} float64 "
+                    f"numbers per token{whole}. Vocab parallelism exists so that no rank ever "
+                    f"holds the (tokens × vocabulary) logits — at a 128k vocabulary and 8k tokens "
+                    f"that is 4 GiB in float32 — so what travels must be a few numbers per token "
+                    f"whatever the vocabulary (the max, the sum of exps, the target's logit: at "
+                    f"most {PER_TOKEN} × {tokens} tokens × 8 B = {limit} B here).")
+            back = _phase_calls(trace, rank, f"backward {c}")
+            if back:
+                raise CheckFailed(
+                    f"{name} ({_vocab_where(ws, c)}): in backward, rank {rank} made "
+                    f"{_describe_calls(back)} (from the run's trace); the gradient of a logit is "
+                    f"local — (softmax − one-hot of the target) × the incoming gradient, from "
+                    f"the max and the sum of exps the forward already has — so the backward "
+                    f"sends nothing.")
+
+
+def check_vocab_parallel_cross_entropy(fn, world_sizes=VOCAB_WORLD_SIZES):
+    """fn(logits_shard, target, vocab_start, group) -> the per-token cross-entropy (tokens,),
+    the same on every rank; logits_shard (tokens, my vocabulary entries) holds the entries
+    vocab_start ... vocab_start + logits_shard.shape[1] - 1."""
+    name = expect_arguments(fn, 4, "vocab_parallel_cross_entropy(logits_shard, target, "
+                                   "vocab_start, group)")
+    # an autograd Function the function names, still a stub: named at once, without launching
+    code = getattr(fn, "__code__", None)
+    used = [getattr(fn, "__globals__", {}).get(n) for n in (code.co_names if code else ())]
+    stub = unsolved_stub(*(getattr(c, m) for c in used if isinstance(c, type) and issubclass(
+        c, torch.autograd.Function) for m in ("forward", "backward")))
+    if stub is not None:
+        raise _not_written(f"{stub.__qualname__}, which {name} uses,")
+    for ws in world_sizes:
+        results = _run(_vocab_rank, ws, fn, name, name=name)
+        for rank, cases in enumerate(results):
+            for c, (got, want, onehot) in enumerate(cases):
+                offset = VOCAB_CASES[ws][c][2]
+
+                def hint(what, value, want=want, onehot=onehot, offset=offset):
+                    if not torch.isfinite(value).all():
+                        return (f" — not a number: exp of a logit near {offset:g} overflows "
+                                f"(float64's exp does above 709); subtract the max over the "
+                                f"WHOLE vocabulary (an all-reduce with op=MAX) before exp"
+                                if offset else " — not a number")
+                    if what == "per-token loss":
+                        return (" — the loss is log Σ_v exp(z_v − M) + M − z_target, the sum "
+                                "over every rank's shard, M the max over them all, z_target "
+                                "from the rank whose shard holds the target")
+                    if _scaled(value, want[what], ws):
+                        return (f" (the gradient is {ws}× the right one: every rank computed "
+                                f"the same loss, so nothing is summed over ranks in backward)")
+                    if torch.allclose(value, want[what] + onehot, **TOL):
+                        return (" — the −1 at the target is missing: it belongs to the rank "
+                                "whose shard holds the target (softmax − one-hot)")
+                    return (" — the gradient of a logit is (softmax_v − [v = target]) × the "
+                            "incoming gradient of its token's loss")
+                _compare(got, want, f"{name} ({_vocab_where(ws, c)}), rank {rank}", hint)
+        _check_vocab_structure(results.trace, ws, name)
+    passed(f"{name} equals dense F.cross_entropy in float64 — every per-token loss and every "
+           f"logit shard's gradient — on {sizes_phrase(world_sizes)} ranks, vocabularies split "
+           f"unevenly, logits near 1000; in forward it sent at most {PER_TOKEN} numbers per token "
+           f"(never the logits), in backward nothing.")
+
+
+# ---- exercise 3: predict, then run — one layer's TP communication -------------------------------
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class TPLink:
+    """What nccl-tests would tell you about the link `tp` GPUs share: `latency[op]`, the seconds
+    of a collective of a few bytes on them; `busbw[op]`, the bus bandwidth (bytes/s) of a large
+    one — the bytes each rank sends on a ring divided by the time."""
+    name: str
+    tp: int
+    latency: types.MappingProxyType
+    busbw: types.MappingProxyType
+
+    def __repr__(self):
+        lat = ", ".join(f"{op} {self.latency[op] * 1e6:.3g} µs" for op in OPS)
+        bw = ", ".join(f"{op} {self.busbw[op] / 1e9:.3g} GB/s" for op in OPS)
+        return f"TPLink({self.name}, tp={self.tp}: latency {lat}; busbw {bw})"
+
+
+def _cluster(preset):
+    return preset if isinstance(preset, _hardware.Cluster) else _emulate.resolve(preset)
+
+
+def tp_link(preset, tp):
+    """The TPLink of the first `tp` GPUs of a preset (a name of distlab.emulate.PRESETS or a
+    Cluster): the numbers the emulator charges their collectives with."""
+    link = _cluster(preset).link_between(range(tp))
+    return TPLink(f"{getattr(preset, 'name', preset)}: {link.name}", tp,
+                  types.MappingProxyType({op: link.seconds(op, 0, tp) for op in OPS}),
+                  types.MappingProxyType({op: link.busbw(op) for op in OPS}))
+
+
+def _layer_ops(sp):
+    """One layer's collectives, forward + backward: {op: count}."""
+    return {"all_gather": 4, "reduce_scatter": 4} if sp else {"all_reduce": 4}
+
+
+def _reference_layer_seconds(hidden, tokens, tp, dtype, sp, preset):
+    """The closed form the emulator charges: each collective on the calibrated link's model."""
+    link = _cluster(preset).link_between(range(tp))
+    nbytes = tokens * hidden * torch.empty((), dtype=dtype).element_size()
+    return sum(n * link.seconds(op, nbytes, tp) for op, n in _layer_ops(sp).items())
+
+
+def _isolated(facts, latency=True, bandwidth=True):
+    return dataclasses.replace(
+        facts, latency=types.MappingProxyType(
+            {op: facts.latency[op] if latency else 0.0 for op in OPS}),
+        busbw=types.MappingProxyType({op: facts.busbw[op] if bandwidth else math.inf
+                                      for op in OPS}))
+
+
+ESTIMATE_CASES = [  # (hidden, tokens, tp, dtype, preset): in a node, across nodes, latency-bound
+    (4096, 4096, 8, torch.bfloat16, "h100-node"), (8192, 8192, 16, torch.bfloat16, "h100-2x8"),
+    (5120, 2048, 4, torch.float32, "a100-node"), (4096, 4096, 16, torch.bfloat16, "a100-2x8"),
+    (1024, 128, 8, torch.bfloat16, "h100-node")]
+# The run: the course's ParallelBlock at real size on meta tensors, 4 ranks in one H100 node and
+# 4 ranks across two (two GPUs and two NICs per node: h100-2x8's parts, a node shape chosen so a
+# 4-rank group spans nodes at the cost of 4 processes, not 16).
+RUN_SHAPE = dict(hidden=4096, heads=32, tokens=4096)
+RUN_TP = 4
+
+
+def _run_clusters():
+    two = dataclasses.replace(_hardware.PRESETS["h100-2x8"], ranks_per_node=2, nics_per_node=2,
+                              name="two H100 nodes (2 GPUs, 2 NDR NICs each)")
+    return [("h100-node", _hardware.PRESETS["h100-node"]), ("h100 2 nodes × 2", two)]
+
+
+def _reference_layer_run(rank, ws, hidden, heads, tokens):
+    """Forward + backward of one ParallelBlock (TP, then TP + SP) on meta tensors, bf16."""
+    for sp in (False, True):
+        with torch.device("meta"):
+            block = _tpm.ParallelBlock(hidden, heads, 4 * hidden, None, sp, dtype=torch.bfloat16)
+            x = torch.randn(1, tokens // ws if sp else tokens, hidden, dtype=torch.bfloat16,
+                            requires_grad=True)
+        with _trace.span(f"layer sp={sp}"):
+            y = block(x)
+            y.backward(torch.ones_like(y))
+    return None
+
+
+_RUNS = {}
+
+
+def _emulated_layers():
+    """{(cluster label, sp): (seconds of the activation collectives on rank 0's critical path,
+    [their ops])} — run once per process: the run does not depend on the learner."""
+    if not _RUNS:
+        s = RUN_SHAPE
+        nbytes = s["tokens"] * s["hidden"] * 2
+        for label, cluster in _run_clusters():
+            with contextlib.redirect_stdout(io.StringIO()):
+                res = run(_reference_layer_run, RUN_TP, s["hidden"], s["heads"], s["tokens"],
+                          emulate=cluster, timeout=300)
+            for sp in (False, True):
+                # the activations' collectives: the replicated LayerNorm and bias gradients (SP)
+                # are all-reduced too, a few KiB each, not what the layer's formula counts
+                calls = [e for e in res.trace.comm(0) if e["label"] == [f"layer sp={sp}"]
+                         and e["bytes"] == nbytes]
+                _RUNS[label, sp] = (sum(e["end"] - e["launch"] for e in calls),
+                                    sorted(e["op"] for e in calls), cluster)
+    return _RUNS
+
+
+def _estimate(fn, name, *args):
+    with forbid(_cost.predict, _cost.terms, _cost.ring_all_reduce_time, _emulate.comm_seconds,
+                _hardware.Link.seconds, _hardware.GroupLink.seconds, _tpm.tp_block_seconds,
+                _hardware.step_seconds, exercise="write the formula yourself"):
+        got = call_learner(fn, *args, name=name)
+    try:
+        value = float(got)
+    except (TypeError, ValueError):
+        raise CheckFailed(f"{name} should return a number of seconds; got {got!r}.") from None
+    if not math.isfinite(value) or value < 0:
+        raise CheckFailed(f"{name} returned {value!r}: a time is a finite number >= 0.")
+    return value
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _close(a, b, rel=1e-6):
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-15)
+
+
+def _near(q, target):
+    return math.isclose(q, target, rel_tol=1e-3)
+
+
+def _why_bandwidth(q, tp, sp, esize, facts, name, dtype, case):
+    """A sentence naming what makes the bandwidth term q× the layer's, or a generic one."""
+    ring = (tp - 1) / tp * (1 if sp else 2)
+    coll = ("an all-gather or reduce-scatter moves (N-1)/N·S per rank" if sp else
+            "an all-reduce moves 2(N-1)/N·S per rank (a reduce-scatter, then an all-gather)")
+    if _near(q, 1 / ring):
+        return (f"misses the ring's factor: {coll} = {ring:.4g}·S at N = {tp}, not S")
+    if sp and _near(q, 2):
+        return ("counts an all-reduce's 2(N-1)/N for each all-gather and reduce-scatter: "
+                "each moves (N-1)/N·S per rank, half an all-reduce")
+    if not sp and _near(q, 0.5):
+        return ("counts (N-1)/N for each all-reduce: it is a reduce-scatter plus an all-gather, "
+                "2(N-1)/N·S per rank")
+    for wrong in (1, 2, 4, 8, 16, 32):
+        if wrong != esize and _near(q, wrong / esize):
+            return (f"has the bytes per element wrong: {_dtype_name(dtype)} is {esize} byte"
+                    f"{'s' if esize > 1 else ''} per element, and your term is {q:.4g}× the "
+                    f"layer's (S = tokens × hidden × {esize} B)")
+    for op, other in ((o, p) for o in OPS for p in OPS if o != p):
+        if facts.busbw[op] != facts.busbw[other] and _near(q, facts.busbw[op] / facts.busbw[other]):
+            return (f"divides by another collective's bus bandwidth: each collective at its own "
+                    f"link.busbw[op] (inside an H100 node all_reduce runs NVLink SHARP, "
+                    f"{facts.busbw['all_reduce'] / 1e9:.0f} GB/s, the gathers and scatters "
+                    f"{facts.busbw['all_gather'] / 1e9:.0f})")
+    n_true = 8 if sp else 4
+    for k in range(1, 17):
+        if k != n_true and _near(q, k / n_true):
+            return (f"counts {k} collectives' bytes where a layer makes {n_true}: "
+                    f"{'4 all-gathers + 4 reduce-scatters' if sp else '4 all-reduces'} (forward: "
+                    f"after attention and after the MLP; backward: into each of their inputs)")
+    return f"is {q:.4g}× the layer's"
+
+
+def check_tp_comm_estimate(fn, cases=ESTIMATE_CASES):
+    """fn(hidden, tokens, tp, dtype, sequence_parallel, link) -> seconds of one transformer
+    layer's tensor-parallel communication, forward + backward, on the TPLink `link`."""
+    name = expect_arguments(fn, 6, "layer_comm_seconds(hidden, tokens, tp, dtype, "
+                                   "sequence_parallel, link)")
+    for hidden, tokens, tp, dtype, preset in cases:
+        facts = tp_link(preset, tp)
+        esize = torch.empty((), dtype=dtype).element_size()
+        S = tokens * hidden * esize
+        for sp in (False, True):
+            ops = _layer_ops(sp)
+            where = (f"{name}(hidden={hidden}, tokens={tokens}, tp={tp}, {_dtype_name(dtype)}, "
+                     f"sequence_parallel={sp}) on {preset}")
+            want_lat = sum(n * facts.latency[op] for op, n in ops.items())
+            got_lat = _estimate(fn, name, hidden, tokens, tp, dtype, sp,
+                                _isolated(facts, bandwidth=False))
+            if not _close(got_lat, want_lat):
+                one = facts.latency[next(iter(ops))]
+                count = ("4 all-gathers + 4 reduce-scatters" if sp else "4 all-reduces")
+                if got_lat == 0:
+                    why = (f"misses the latency: each collective costs its link.latency[op] "
+                           f"however small ({one * 1e6:.3g} µs here), and a layer makes {count}")
+                elif _near(got_lat / one, round(got_lat / one)) and round(got_lat / one) != sum(
+                        ops.values()):
+                    why = (f"counts {round(got_lat / one)} collectives' latencies where a layer "
+                           f"makes {sum(ops.values())}: {count} (forward: after attention and "
+                           f"after the MLP; backward: into each of their inputs)")
+                else:
+                    why = (f"has the latency term wrong: yours is {got_lat * 1e6:.4g} µs, the "
+                           f"layer's {want_lat * 1e6:.4g} µs = {count} × link.latency[op]")
+                raise CheckFailed(f"{where}: your estimate {why}. (Checked with every bus "
+                                  f"bandwidth infinite.)")
+            want_bw = sum(n * _cost.TERMS["ring_" + op](S, tp)[1] / facts.busbw[op]
+                          for op, n in ops.items())
+            got_bw = _estimate(fn, name, hidden, tokens, tp, dtype, sp,
+                               _isolated(facts, latency=False))
+            if not _close(got_bw, want_bw):
+                if got_bw == 0:
+                    why = "misses the bandwidth term: bytes take time on the link"
+                else:
+                    other = torch.float32 if esize != 4 else torch.bfloat16
+                    got_other = _estimate(fn, name, hidden, tokens, tp, other, sp,
+                                          _isolated(facts, latency=False))
+                    if _close(got_other, got_bw):
+                        why = (f"does not change with the dtype: S = tokens × hidden × bytes per "
+                               f"element ({_dtype_name(dtype)} {esize} B, {_dtype_name(other)} "
+                               f"{torch.empty((), dtype=other).element_size()} B)")
+                    else:
+                        why = _why_bandwidth(got_bw / want_bw, tp, sp, esize, facts, name,
+                                             dtype, where)
+                raise CheckFailed(f"{where}: your estimate's bandwidth term {why}. It counts "
+                                  f"{got_bw * 1e6:.4g} µs, the layer pays {want_bw * 1e6:.4g} µs. "
+                                  f"(Checked with every latency 0.)")
+            got = _estimate(fn, name, hidden, tokens, tp, dtype, sp, facts)
+            want = _reference_layer_seconds(hidden, tokens, tp, dtype, sp, preset)
+            if not _close(want, want_lat + want_bw):
+                raise RuntimeError("the check's closed form no longer matches the emulator's "
+                                   "link model — a bug in the course, not in your formula.")
+            if not _close(got, want):
+                raise CheckFailed(f"{where}: your estimate is {got * 1e6:.4g} µs, the closed "
+                                  f"form {want * 1e6:.4g} µs, although each term alone is right: "
+                                  f"the terms add (latency terms + bandwidth terms).")
+    lines = []
+    s = RUN_SHAPE
+    for (label, sp), (emulated, ops, cluster) in _emulated_layers().items():
+        closed = _reference_layer_seconds(s["hidden"], s["tokens"], RUN_TP, torch.bfloat16, sp,
+                                          cluster)
+        expect = sorted(op for op, n in _layer_ops(sp).items() for _ in range(n))
+        if ops != expect or not math.isclose(closed, emulated, rel_tol=0.01):
+            raise RuntimeError(f"the emulated ParallelBlock on {label} made {ops} in "
+                               f"{emulated * 1e6:.4g} µs against the closed form's "
+                               f"{closed * 1e6:.4g} µs — a bug in the course, not in your "
+                               f"formula.")
+        guess = _estimate(fn, name, s["hidden"], s["tokens"], RUN_TP, torch.bfloat16, sp,
+                          tp_link(cluster, RUN_TP))
+        if not math.isclose(guess, emulated, rel_tol=0.01):
+            raise CheckFailed(f"{name} for the emulated ParallelBlock on {label} (tp={RUN_TP}, "
+                              f"sequence_parallel={sp}): your estimate is {guess * 1e6:.4g} µs, "
+                              f"the run's collectives took {emulated * 1e6:.4g} µs.")
+        lines.append(f"   {label:>16}, {'TP + SP' if sp else 'TP':>7}: yours {guess * 1e6:7.1f} "
+                     f"µs, closed form {closed * 1e6:7.1f}, emulated {emulated * 1e6:7.1f} "
+                     f"({len(ops)} collectives)")
+    passed(f"{name} matches the closed form term by term (latency alone, bandwidth alone, each "
+           f"dtype) on {len(cases)} shapes × TP and TP + SP, from 1 to 2 nodes, and the "
+           f"course's ParallelBlock (hidden {s['hidden']}, {s['tokens']} tokens, bf16, meta "
+           f"tensors) emulated at tp={RUN_TP} within 1 % (times modeled, not measured: the "
+           f"emulator charges the same link formulas, so the agreement checks which collectives "
+           f"the layer makes and of what size, not the hardware):\n" + "\n".join(lines))
+
