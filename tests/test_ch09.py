@@ -216,6 +216,17 @@ def group_keep_course(experts, n_experts, capacity_factor, group):
     return keep[start:start + len(experts)]
 
 
+def group_keep_regenerated(experts, n_experts, capacity_factor, group):
+    me, ws, k = dist.get_rank(group), dist.get_world_size(group), experts.shape[1]
+    case = next(i for i in range(len(ch09.GROUP_CASES))
+                if torch.equal(ch09._group_case(me, ws, n_experts, k, i), experts))
+    everyone = [ch09._group_case(r, ws, n_experts, k, case) for r in range(ws)]
+    capacity = math.ceil(capacity_factor * sum(len(e) for e in everyone) * k / n_experts)
+    keep = moe_lib.capacity_keep(torch.cat(everyone), n_experts, capacity)
+    start = sum(len(e) for e in everyone[:me])
+    return keep[start:start + len(experts)]
+
+
 def test_group_capacity_accepts_right_answers():
     ch09.check_group_capacity_keep(group_keep_counts, world_sizes=(2, 3))
     ch09.check_group_capacity_keep(group_keep_gather_everything, world_sizes=(4,))
@@ -233,6 +244,9 @@ def test_group_capacity_refuses_wrong_ones():
         ch09.check_group_capacity_keep(group_keep_rank_major, world_sizes=(3,))
     with pytest.raises(CheckFailed, match=r"course's own capacity_keep"):
         ch09.check_group_capacity_keep(group_keep_course, world_sizes=(2,))
+    # A cheat: the other ranks' choices rebuilt from the checker's own data, without a message.
+    with pytest.raises(CheckFailed, match=r"course's own _group_case"):
+        ch09.check_group_capacity_keep(group_keep_regenerated, world_sizes=(2,))
 
 
 # ---- exercise 3: EP × DP gradients on an (ep, dp) layout -----------------------------------------------

@@ -16,8 +16,9 @@
    none).
 
 The references of this module are written here, never shown in a notebook. The course's own
-`route`, `capacity_keep`, `reduce_gradients`, `ep_dp_mesh`, `distlab.debug`'s averaging and
-this module's references refuse to run inside the learner's function (`forbid`).
+`route`, `capacity_keep`, `reduce_gradients`, `ep_dp_mesh`, `distlab.debug`'s averaging, this
+module's references and the helpers that build its data refuse to run inside the learner's
+function (`forbid`).
 """
 import contextlib
 import math
@@ -92,7 +93,10 @@ def _course_code():
             moe_lib.load_balancing_loss, ep_lib.reduce_gradients, ep_lib.ep_dp_mesh,
             ep_lib.dispatch_plan, _debug.average_gradients, _debug.broadcast_parameters,
             _reference_route, _group_reference, _queue_positions, _priority_order,
-            _one_process_layer)
+            _one_process_layer,
+            # the checker's own data: the other ranks' tokens and choices rebuilt without a
+            # message would pass the group capacity and the gradients without communicating
+            _tokens, _group_case, _shard, _skewed_layer, _reference_grads)
 
 
 @contextlib.contextmanager
