@@ -124,106 +124,280 @@ def test_zero1_refuses_the_course_gather():
         ch06.check_zero1_step(gather_flat_zero1_step)
 
 
-# ---- ZeRO-3 -------------------------------------------------------------------------------------
+# ---- ZeRO-3: a layer's forward and backward ---------------------------------------------------
 
-def zero3_forward(layer, shards, x):
-    """The workbook's answer: list-form all_gather of padded slices."""
-    world = dist.get_world_size()
-    for name, p in layer.named_parameters():
-        c = -(-p.numel() // world)
-        parts = [torch.empty(c) for _ in range(world)]
-        dist.all_gather(parts, F.pad(shards[name], (0, c - shards[name].numel())))
-        p.untyped_storage().resize_(p.numel() * p.element_size())
-        p.data.view(-1).copy_(torch.cat(parts)[:p.numel()])
-    out = layer(x)
-    for p in layer.parameters():
-        p.untyped_storage().resize_(0)
-    return out
+def _pad_gather(shard, numel, world):
+    c = -(-numel // world)
+    parts = [torch.empty(c, dtype=shard.dtype) for _ in range(world)]
+    dist.all_gather(parts, F.pad(shard, (0, c - shard.numel())))
+    return torch.cat(parts)[:numel]
 
 
-def zero3_forward_single(layer, shards, x):
-    """Differently written: all_gather_single, and F.linear on the gathered tensors."""
-    world = dist.get_world_size()
-    full = {}
-    for name, p in layer.named_parameters():
-        full[name] = _gather(shards[name], p.numel(), world).view(p.shape)
-        p.untyped_storage().resize_(p.numel() * p.element_size())
-        p.data.copy_(full[name])
-    out = F.linear(x, layer.weight, layer.bias)
-    for p in layer.parameters():
-        p.untyped_storage().resize_(0)
-    return out
+def _pad_reduce(full, mine, world):
+    c = -(-full.numel() // world)
+    out = torch.empty(c, dtype=full.dtype)
+    reduce_scatter(out, list(F.pad(full.reshape(-1), (0, c * world - full.numel())).split(c)))
+    return out[:mine] / world
 
 
-def zero3_forward_all_reduce(layer, shards, x):
-    """Right numbers, wrong structure: all-reduce zero-filled full copies (2x an all-gather)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    for name, p in layer.named_parameters():
-        lo, hi = chunk_bounds(p.numel(), world, rank)
-        full = torch.zeros(p.numel())
-        full[lo:hi] = shards[name]
-        dist.all_reduce(full)
-        p.untyped_storage().resize_(p.numel() * p.element_size())
-        p.data.view(-1).copy_(full)
-    out = layer(x)
-    for p in layer.parameters():
-        p.untyped_storage().resize_(0)
-    return out
+class ZeRO3Linear(torch.autograd.Function):
+    """The workbook's answer: list-form all_gather / reduce_scatter of padded slices."""
+
+    @staticmethod
+    def forward(ctx, x, weight_shard, bias_shard, shape):
+        world = dist.get_world_size()
+        w = _pad_gather(weight_shard, shape[0] * shape[1], world).view(shape)
+        b = _pad_gather(bias_shard, shape[0], world)
+        ctx.save_for_backward(x, weight_shard)
+        ctx.shape, ctx.bias_numel = shape, bias_shard.numel()
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        world = dist.get_world_size()
+        x, weight_shard = ctx.saved_tensors
+        w = _pad_gather(weight_shard, ctx.shape[0] * ctx.shape[1], world).view(ctx.shape)
+        return (grad_out @ w, _pad_reduce(grad_out.t() @ x, weight_shard.numel(), world),
+                _pad_reduce(grad_out.sum(0), ctx.bias_numel, world), None)
 
 
-def forward_without_freeing(layer, shards, x):
-    out = zero3_forward(layer, shards, x)
-    for p in layer.parameters():
-        p.untyped_storage().resize_(p.numel() * p.element_size())
-    return out
+class ZeRO3LinearSingle(torch.autograd.Function):
+    """Differently written: the _single collectives, ReduceOp.AVG, F.linear, the bias gathered
+    again in backward too (FSDP gathers a whole unit), slices padded with torch.cat."""
+
+    @staticmethod
+    def _gather(shard, numel):
+        world = dist.get_world_size()
+        c = -(-numel // world)
+        full = torch.empty(c * world, dtype=shard.dtype)
+        dist.all_gather_single(full, torch.cat([shard, shard.new_zeros(c - shard.numel())]))
+        return full[:numel]
+
+    @staticmethod
+    def _reduce(grad, keep):
+        world = dist.get_world_size()
+        flat = grad.reshape(-1)
+        c = -(-flat.numel() // world)
+        out = torch.empty(c, dtype=flat.dtype)
+        dist.reduce_scatter_single(out, torch.cat([flat, flat.new_zeros(c * world - flat.numel())]),
+                                   op=dist.ReduceOp.AVG)
+        return out[:keep].clone()
+
+    @staticmethod
+    def forward(ctx, x, ws, bs, shape):
+        ctx.save_for_backward(x, ws, bs)
+        ctx.shape = shape
+        return F.linear(x, ZeRO3LinearSingle._gather(ws, ws.new_empty(shape).numel()).view(shape),
+                        ZeRO3LinearSingle._gather(bs, shape[0]))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, ws, bs = ctx.saved_tensors
+        n = ctx.shape[0] * ctx.shape[1]
+        w = ZeRO3LinearSingle._gather(ws, n).view(ctx.shape)
+        ZeRO3LinearSingle._gather(bs, ctx.shape[0])          # not needed, but allowed
+        return (g.mm(w), ZeRO3LinearSingle._reduce(g.t().mm(x), ws.numel()),
+                ZeRO3LinearSingle._reduce(g.sum(0), bs.numel()), None)
 
 
-def forward_of_the_reference(layer, shards, x):
-    return ch06.zero3_forward_reference(layer, shards, x)
+class KeepsTheWeight(ZeRO3Linear):
+    """Wrong structure with a decoy: keeps the gathered weight for backward and all-gathers
+    zeros there, so the trace shows the backward gather ZeRO-3 needs."""
+
+    @staticmethod
+    def forward(ctx, x, weight_shard, bias_shard, shape):
+        world = dist.get_world_size()
+        w = _pad_gather(weight_shard, shape[0] * shape[1], world).view(shape)
+        b = _pad_gather(bias_shard, shape[0], world)
+        ctx.save_for_backward(x, w)
+        ctx.shards = weight_shard.numel(), bias_shard.numel()
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        world = dist.get_world_size()
+        x, w = ctx.saved_tensors
+        _pad_gather(torch.zeros(ctx.shards[0], dtype=w.dtype), w.numel(), world)    # the decoy
+        return (grad_out @ w, _pad_reduce(grad_out.t() @ x, ctx.shards[0], world),
+                _pad_reduce(grad_out.sum(0), ctx.shards[1], world), None)
 
 
-def test_zero3_accepts_right_answers_however_written(capsys):
-    ch06.check_zero3_forward(zero3_forward, world_sizes=(3,))
-    ch06.check_zero3_forward(zero3_forward_single)
+class DecoyReduceScatter(ZeRO3Linear):
+    """A decoy of zeros: reduce-scatters zeros (the bytes the trace expects), and gets the
+    gradient by an all-reduce of the full gradient."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        x, weight_shard = ctx.saved_tensors
+        w = _pad_gather(weight_shard, ctx.shape[0] * ctx.shape[1], world).view(ctx.shape)
+        out = []
+        for full, mine in ((grad_out.t() @ x, weight_shard.numel()),
+                           (grad_out.sum(0), ctx.bias_numel)):
+            _pad_reduce(torch.zeros_like(full), mine, world)
+            full = full.reshape(-1).clone()
+            dist.all_reduce(full)
+            lo, hi = chunk_bounds(full.numel(), world, rank)
+            out.append(full[lo:hi] / world)
+        return (grad_out @ w, *out, None)
+
+
+class AllReduceGradients(ZeRO3Linear):
+    """Wrong structure: all-reduces the full gradients and keeps its slice (no decoy)."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        x, weight_shard = ctx.saved_tensors
+        w = _pad_gather(weight_shard, ctx.shape[0] * ctx.shape[1], world).view(ctx.shape)
+        out = []
+        for full in (grad_out.t() @ x, grad_out.sum(0)):
+            full = full.reshape(-1).clone()
+            dist.all_reduce(full)
+            lo, hi = chunk_bounds(full.numel(), world, rank)
+            out.append(full[lo:hi] / world)
+        return (grad_out @ w, *out, None)
+
+
+class CourseGather(ZeRO3Linear):
+    """A cheat: the course's gather_flat."""
+
+    @staticmethod
+    def forward(ctx, x, weight_shard, bias_shard, shape):
+        ctx.save_for_backward(x, weight_shard)
+        ctx.shape, ctx.bias_numel = shape, bias_shard.numel()
+        return x @ gather_flat(weight_shard, shape[0] * shape[1]).view(shape).t() + \
+            gather_flat(bias_shard, shape[0])
+
+
+class Unpadded(ZeRO3Linear):
+    """Forgets the padding: the last rank's slice is shorter, and gloo fails."""
+
+    @staticmethod
+    def forward(ctx, x, weight_shard, bias_shard, shape):
+        world = dist.get_world_size()
+        parts = [torch.empty_like(weight_shard) for _ in range(world)]
+        dist.all_gather(parts, weight_shard)
+        return x @ torch.cat(parts)[:shape[0] * shape[1]].view(shape).t()
+
+
+def test_zero3_layer_accepts_right_answers_however_written(capsys):
+    ch06.check_zero3_layer(ZeRO3Linear, world_sizes=(3,))  # all sizes: nbval of the workbook
+    ch06.check_zero3_layer(ZeRO3LinearSingle, world_sizes=(2,))
     assert capsys.readouterr().out.count("✅") == 2
 
 
-def test_zero3_refuses_wrong_answers():
-    with pytest.raises(CheckFailed, match="still holds the full weights after the forward"):
-        ch06.check_zero3_forward(forward_without_freeing)
-    with pytest.raises(CheckFailed, match=r"with world_size=2, rank 0 sent 320 B \(all_reduce "
-                                          r"320 B; from the run's trace\), 1.90× the 168 B"):
-        ch06.check_zero3_forward(zero3_forward_all_reduce)
-    with pytest.raises(CheckFailed, match=r"your function called the course's own "
-                                          r"zero3_forward_reference; the exercise is to write "
-                                          r"the gather yourself"):
-        ch06.check_zero3_forward(forward_of_the_reference)
-
-
-def test_stubs_are_reported_as_not_written():
-    def stub(*args):
-        raise NotImplementedError("exercise: replace this line with your code")
-    for check in (ch06.check_zero1_step, ch06.check_zero3_forward):
-        with pytest.raises(NotImplementedError, match="is not written yet"):
-            check(stub)
-
-
-def zero3_forward_unpadded(layer, shards, x):
-    """Forgets the padding: rank 1's slice of the bias is shorter, and gloo fails."""
-    world = dist.get_world_size()
-    for name, p in layer.named_parameters():
-        parts = [torch.empty_like(shards[name]) for _ in range(world)]
-        dist.all_gather(parts, shards[name])
-        p.untyped_storage().resize_(p.numel() * p.element_size())
-        p.data.view(-1).copy_(torch.cat(parts)[:p.numel()])
-    return layer(x)
+def test_zero3_layer_refuses_wrong_structure_decoys_and_the_course():
+    with pytest.raises(CheckFailed, match=r"with world_size=2, rank 0: after layer 0's forward "
+                                          r"the rank still holds \d+ B it made during it — as "
+                                          r"much as the full 7×9 weight \(504 B in float64\)"):
+        ch06.check_zero3_layer(KeepsTheWeight)
+    with pytest.raises(CheckFailed, match=r"with world_size=2, rank 0: a reduce-scatter in the "
+                                          r"backward carried all zeros"):
+        ch06.check_zero3_layer(DecoyReduceScatter)
+    with pytest.raises(CheckFailed, match=r"rank 0: the backward called all_reduce; .* an "
+                                          r"all-reduce leaves every rank the whole sum"):
+        ch06.check_zero3_layer(AllReduceGradients)
+    with pytest.raises(CheckFailed, match=r"your function called the course's own gather_flat; "
+                                          r"the exercise is to write the ZeRO-3 layer yourself"):
+        ch06.check_zero3_layer(CourseGather)
 
 
 def test_a_gloo_size_mismatch_is_explained():
     with pytest.raises(CheckFailed, match=r"with world_size=2, the ranks' (all_gather calls|"
                                           r"collectives) did not match .* pad each slice to "
                                           r"ceil\(numel / world_size\)"):
-        ch06.check_zero3_forward(zero3_forward_unpadded)
+        ch06.check_zero3_layer(Unpadded)
+
+
+# ---- predict, then run: ZeRO-2/3 bytes per GPU --------------------------------------------------
+
+def zero_bytes(units, world_size, stage, bytes_per_param):
+    """The workbook's answer: walk backward's moments."""
+    w, g, o = (bytes_per_param[k] for k in ("weights", "grads", "optimizer"))
+    n, N = sum(units), world_size
+    held = (w * n / N if stage == 3 else w * n) + o * n / N
+    peak = held
+    for i in range(len(units)):
+        peak = max(peak, held + g * sum(units[i:]) / N + g * units[i]
+                   + (w * units[i] if stage == 3 else 0))
+    return {"steady": held + g * n / N, "peak": peak}
+
+
+def zero_bytes_per_term(units, world_size, stage, bytes_per_param):
+    """Differently written: per-unit lists of what each moment adds, numpy-free, stage as a
+    set of sharded kinds."""
+    sharded = {"optimizer", "grads"} | ({"weights"} if stage == 3 else set())
+    steady = sum(bytes_per_param[k] * sum(units) / (world_size if k in sharded else 1)
+                 for k in bytes_per_param)
+    base = steady - bytes_per_param["grads"] * sum(units) / world_size
+    shards_after = [sum(units[i:]) / world_size for i in range(len(units))]
+    moments = [base + bytes_per_param["grads"] * (s + u)
+               + (bytes_per_param["weights"] * u if "weights" in sharded else 0)
+               for s, u in zip(shards_after, units)]
+    return {"peak": max(moments), "steady": steady, "note": "extra keys are fine"}
+
+
+def zero_bytes_no_full_gradient(units, world_size, stage, bytes_per_param):
+    """Wrong: the full gradient before the reduce-scatter is forgotten."""
+    out = zero_bytes(units, world_size, stage, bytes_per_param)
+    w, g = bytes_per_param["weights"], bytes_per_param["grads"]
+    n = sum(units)
+    held = (w * n / world_size if stage == 3 else w * n) + \
+        bytes_per_param["optimizer"] * n / world_size
+    out["peak"] = held + g * n / world_size + (w * max(units) if stage == 3 else 0)
+    return out
+
+
+def zero_bytes_no_gathered_layer(units, world_size, stage, bytes_per_param):
+    """Wrong: the peak counts ZeRO-3's weights as sharded only."""
+    b = dict(bytes_per_param)
+    out = zero_bytes(units, world_size, 2 if stage == 3 else stage, dict(b, weights=0))
+    n = sum(units)
+    w = b["weights"] * n / (world_size if stage == 3 else 1)
+    return {"steady": out["steady"] + w, "peak": out["peak"] + w}
+
+
+def zero_bytes_course(units, world_size, stage, bytes_per_param):
+    """A cheat: the course's model."""
+    from distlab import zero_memory
+    out = zero_bytes(units, world_size, stage, bytes_per_param)
+    out["peak"] = zero_memory.zero3_peak([dict(weights=0, grad=0, grad_shard=0, acts=0)], 0)["peak"]
+    return out
+
+
+def test_zero_bytes_accepts_right_answers_however_written(capsys):
+    ch06.check_zero_bytes(zero_bytes)
+    ch06.check_zero_bytes(zero_bytes_per_term)
+    assert capsys.readouterr().out.count("✅") == 2
+
+
+def test_zero_bytes_names_the_term_that_is_off():
+    with pytest.raises(CheckFailed, match=r"stage=3, \.\.\.\): your peak count of the gradients "
+                                          r"is off .* this unit's FULL gradient"):
+        ch06.check_zero_bytes(zero_bytes_no_full_gradient)
+    with pytest.raises(CheckFailed, match=r"your peak count of the weights is off — .* one "
+                                          r"unit's full weights, gathered"):
+        ch06.check_zero_bytes(zero_bytes_no_gathered_layer)
+    with pytest.raises(CheckFailed, match=r"your function called the course's own zero3_peak; "
+                                          r"the exercise is to write the count yourself"):
+        ch06.check_zero_bytes(zero_bytes_course)
+    with pytest.raises(CheckFailed, match=r"should return a dict with the keys 'steady' and "
+                                          r"'peak'"):
+        ch06.check_zero_bytes(lambda *a: 3.0)
+
+
+def test_stubs_are_reported_as_not_written():
+    def stub(*args):
+        raise NotImplementedError("exercise: replace this line with your code")
+
+    class Stub(torch.autograd.Function):
+        forward = staticmethod(lambda ctx, *args: stub())
+        backward = staticmethod(lambda ctx, *args: stub())
+    for check, fn in ((ch06.check_zero1_step, stub), (ch06.check_zero3_layer, Stub),
+                      (ch06.check_zero_bytes, stub)):
+        with pytest.raises(NotImplementedError, match="is not written yet"):
+            check(fn)
 
 
 # ---- the activation-memory model ----------------------------------------------------------------
@@ -243,7 +417,8 @@ def test_flash_attention_stores_no_scores_and_selective_changes_nothing():
     flash = memory.activation_bytes(s, b, h, 1, a)            # the default
     assert flash == 34 * s * b * h + 4 * a * s * b             # + one float32 log-sum-exp per row
     assert memory.activation_bytes(s, b, h, 1, a, "selective") == flash
-    assert memory.per_gpu_bytes("Llama-2 7B")["activations"] == 32 * flash
+    assert memory.per_gpu_bytes("GPT-3 175B", seq_len=2048)["activations"] == \
+        96 * memory.activation_bytes(s, b, 12288, 1, 96)
     with pytest.raises(ValueError, match="attention must be one of"):
         memory.activation_bytes(s, b, h, 1, a, attention="sparse")
     with pytest.raises(ValueError, match="recompute must be one of"):
@@ -510,3 +685,51 @@ def test_chapter_06_prose_numbers_are_computed():
     assert f"about {float(e1) - 1:.0%}".replace("%", " %") in prose
     assert outputs.count("within 2e-03: True") == 2 and "within 0.2 %" in prose
     assert outputs.count("NOT within 2e-03") == 2 and "tracked peak is higher" in prose
+
+
+def test_the_widget_counts_llama_as_the_chapter_does():
+    # memory_calculator draws memory.per_gpu_bytes: its Llama-2 presets count a Llama block
+    # (zero_memory.llama_activations), the number chapter 06 prints for 32 blocks at seq 4096
+    from distlab import zero_memory
+    L2 = zero_memory.LLAMA2_7B
+    h, a, f = L2["hidden"], L2["heads"], L2["ffn"]
+    assert memory.LLAMA_FFN["Llama-2 7B"] == f
+    for seq, recompute in ((4096, "none"), (2048, "full"), (4096, "full")):
+        widget = memory.per_gpu_bytes("Llama-2 7B", zero_stage=3, world_size=8, seq_len=seq,
+                                      checkpointing=recompute)["activations"]
+        assert widget == 32 * sum(zero_memory.llama_activations(seq, 1, h, a, f,
+                                                                recompute=recompute).values())
+    widget = memory.per_gpu_bytes("Llama-2 7B", seq_len=4096)["activations"]
+    _, outputs = _notebook("06_memory_and_zero.ipynb")
+    assert (f"Llama-2 7B, 32 blocks, seq 4096, recompute none: activations "
+            f"{widget / memory.GB:5.1f} GB") in outputs
+    # not the GPT block's count any more (34·s·b·h + the log-sum-exp)
+    assert widget != memory.activation_bytes(4096, 1, h, 32, a)
+    # flash's selective changes nothing; materialized scores replace the log-sum-exp
+    kw = dict(seq_len=2048, micro_batch=2)
+    flash = memory.preset_activation_bytes("Llama-2 13B", **kw)
+    assert memory.preset_activation_bytes("Llama-2 13B", checkpointing="selective",
+                                          attention="materialized", **kw) == flash
+    assert memory.preset_activation_bytes("Llama-2 13B", attention="materialized", **kw) == \
+        flash + 40 * (2 * 40 * 2048 ** 2 * 2 - 4 * 40 * 2048 * 2)
+    # the 70B preset (grouped-query attention) keeps the GPT block's count, as the prose says
+    assert memory.preset_activation_bytes("Llama-2 70B") == \
+        memory.activation_bytes(2048, 1, 8192, 80, 64)
+    prose, _ = _notebook("06_memory_and_zero.ipynb")
+    assert "it counts Llama-2 7B and 13B with Llama's own block" in prose
+    assert "Llama-2 70B too, whose grouped-query attention" in prose
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        memory.preset_activation_bytes("Llama-2 7B", checkpointing="half")
+
+
+def test_bytes_per_parameter_conventions():
+    from distlab import zero_memory
+    got = {k: zero_memory.convention_bytes(k) for k in zero_memory.CONVENTIONS}
+    assert got == {"ZeRO paper / distlab.memory": 16, "Megatron-LM (bf16)": 18,
+                   "PyTorch AMP (torch.autocast)": 16, "FSDP2, bf16 params, fp32 reduce": 16}
+    assert got["ZeRO paper / distlab.memory"] == sum(memory.bytes_per_parameter().values())
+    prose, outputs = _notebook("06_memory_and_zero.ipynb")
+    megatron = got["Megatron-LM (bf16)"]
+    assert f"Megatron's {megatron} B/param is {(megatron / 16 - 1) * 100:.1f} % more" in prose
+    for name, total in got.items():          # the table the chapter prints
+        assert f"{name:32} {total:2} B/param" in outputs

@@ -155,15 +155,51 @@ PRESETS = {
     "Llama-2 70B": (69e9, 80, 8192, 64),
     "GPT-3 175B": (175e9, 96, 12288, 96),
 }
+# The presets whose activations are a Llama block's (zero_memory.llama_activations: RMSNorm in
+# float32, rotary embeddings, SwiGLU at this ffn size, no dropout), by their SwiGLU size:
+# Touvron et al. 2023, table 1, and the models' config.json (intermediate_size). The others are
+# GPT blocks (Korthikanti's count, above). Llama-2 70B keeps the GPT block's count: it uses
+# grouped-query attention (8 K/V heads), which llama_activations, measured on a full-head block,
+# does not model.
+LLAMA_FFN = {"Llama-2 7B": 11008, "Llama-2 13B": 13824}
+
+
+def preset_activation_bytes(model, seq_len=2048, micro_batch=1, checkpointing=False,
+                            attention="flash"):
+    """Activations of a preset model, 16-bit: a Llama block's count for the LLAMA_FFN presets,
+    a GPT block's (activation_bytes) for the others.
+
+    For a Llama block the s×s scores are a term of their own: with attention="materialized" and
+    no recomputation the block stores the softmax (a·s²·b values; Llama has no dropout) instead
+    of flash's float32 log-sum-exp; "selective" recomputes exactly that part, so with either
+    kernel it leaves flash's count; "full" keeps each block's input."""
+    from . import zero_memory       # zero_memory builds on this module: imported when needed
+    _, layers, hidden, heads = PRESETS[model]
+    if model not in LLAMA_FFN:
+        return activation_bytes(seq_len, micro_batch, hidden, layers, heads, checkpointing,
+                                attention)
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}; got {attention!r}.")
+    recompute = {False: "none", None: "none", True: "full"}.get(checkpointing, checkpointing)
+    if recompute not in RECOMPUTATION:
+        raise ValueError(f"recompute must be one of {RECOMPUTATION} (or True/False); "
+                         f"got {checkpointing!r}.")
+    kept = "full" if recompute == "full" else "none"
+    per_block = sum(zero_memory.llama_activations(seq_len, micro_batch, hidden, heads,
+                                                  LLAMA_FFN[model], recompute=kept).values())
+    if attention == "materialized" and recompute == "none":
+        per_block += 2 * heads * seq_len * seq_len * micro_batch - 4 * heads * seq_len * micro_batch
+    return layers * per_block
 
 
 def per_gpu_bytes(model, precision="bf16-mixed", optimizer="adam", zero_stage=0, world_size=1,
                   seq_len=2048, micro_batch=1, checkpointing=False, attention="flash"):
-    """Everything one data-parallel GPU holds for a preset model: model states + activations."""
-    n, layers, hidden, heads = PRESETS[model]
+    """Everything one data-parallel GPU holds for a preset model: model states + activations
+    (preset_activation_bytes: a Llama block for the Llama-2 7B and 13B presets)."""
+    n = PRESETS[model][0]
     out = model_state_bytes(n, precision, optimizer, zero_stage, world_size)
-    out["activations"] = activation_bytes(seq_len, micro_batch, hidden, layers, heads,
-                                          checkpointing, attention)
+    out["activations"] = preset_activation_bytes(model, seq_len, micro_batch, checkpointing,
+                                                 attention)
     return out
 
 
