@@ -244,7 +244,7 @@ def _variant(**wrong):
     (dict(no_ring=True), r"bandwidth term misses the ring's factor: an all-reduce moves "
                          r"2\(N-1\)/N·S per rank .* = 1.75·S at N = 8"),
     (dict(bytes=4), r"bandwidth term does not change with the dtype: S = tokens × hidden × bytes "
-                    r"per element \\(bfloat16 2 B, float32 4 B\\)"),
+                    r"per element \(bfloat16 2 B, float32 4 B\)"),
     (dict(ar_busbw=True), r"sequence_parallel=True\) on h100-node: your estimate's bandwidth "
                           r"term divides by another collective's bus bandwidth"),
 ])
