@@ -42,8 +42,7 @@ from . import (expect_arguments, CheckFailed, UsedCourseCode, _not_written, call
                compare, forbid, passed, run, sizes_phrase, unsolved_stub)
 
 TOL = dict(atol=1e-9, rtol=1e-9)
-TIMEOUT = 60  # a learner's deadlock is reported (with where each rank waits) within this; a rank
-# that imports the checkers spends seconds importing before it starts (nbformat, via checks)
+TIMEOUT = 30  # a learner's deadlock is reported (with where each rank waits) within this
 
 
 def _course_code():
