@@ -1,6 +1,8 @@
 """Workbook 12's checkers: right answers written differently pass; wrong structure, wrong numbers
 and the course's own code are refused with a sentence."""
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +39,15 @@ def merge_by_the_course(out_a, lse_a, out_b, lse_b):
     return cp.merge(out_a, lse_a, out_b, lse_b)
 
 
+def merge_by_exponentiating(out_a, lse_a, out_b, lse_b):
+    """Right for small scores: the denominators themselves, exp(lse), summed (overflows)."""
+    wa, wb = torch.exp(lse_a), torch.exp(lse_b)
+    total = wa + wb
+    safe = torch.where(total == 0, torch.ones_like(total), total)
+    return (out_a * wa.unsqueeze(-1) + out_b * wb.unsqueeze(-1)) / safe.unsqueeze(-1), \
+        torch.log(total)
+
+
 def test_merge_written_differently_passes(capsys):
     ch12.check_merge(merge_with_running_max)
     assert "✅" in capsys.readouterr().out
@@ -50,6 +61,11 @@ def test_merge_without_the_empty_row_guard_is_refused():
 def test_merge_by_averaging_is_refused_with_the_element():
     with pytest.raises(CheckFailed, match=r"merge's lse .*element \[0, 0, \d\]: expected"):
         ch12.check_merge(merge_by_averaging)
+
+
+def test_merge_without_subtracting_the_lse_is_refused_at_lse_800():
+    with pytest.raises(CheckFailed, match="lse is about 800: exp.800. overflows float64"):
+        ch12.check_merge(merge_by_exponentiating)
 
 
 def test_merge_calling_the_course_is_refused():
@@ -123,19 +139,57 @@ def test_ring_hop_calling_the_course_is_refused():
 # ---- ring attention ------------------------------------------------------------------------------
 
 def attention_with_own_scores(q, k, v, positions):
-    """Ring without block_attention or merge: accumulate exp-scores and their sums directly."""
+    """Ring without block_attention or merge: a running maximum, and exp-scores and their sums
+    rescaled whenever it grows (the online softmax written out)."""
     n = dist.get_world_size()
     q_pos = positions.to(torch.float64)
-    num, den, block = 0, 0, [k, v, q_pos]
-    shift = 50.0                       # scores here are small: a fixed shift keeps exp finite
+    top = torch.full(q.shape[:-1] + (1,), -math.inf, dtype=q.dtype)
+    num, den, block = torch.zeros_like(q), torch.zeros_like(top), [k, v, q_pos]
     for step in range(n):
         s = q @ block[0].transpose(-2, -1) / math.sqrt(q.shape[-1])
         s = s.masked_fill(block[2][None, :] > q_pos[:, None], -math.inf)
+        new_top = torch.maximum(top, s.amax(-1, keepdim=True))
+        shift = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
+        rescale = torch.exp(top - shift)
         p = torch.exp(s - shift)
+        num, den, top = num * rescale + p @ block[1], den * rescale + p.sum(-1, keepdim=True), \
+            new_top
+        if step < n - 1:
+            block = hop_with_parity(block)
+    return num / den
+
+
+def attention_with_a_fixed_shift(q, k, v, positions):
+    """Exp-scores shifted by a constant instead of the running maximum: right for small
+    scores, inf / inf at scores of a thousand."""
+    n = dist.get_world_size()
+    q_pos = positions.to(torch.float64)
+    num, den, block = 0, 0, [k, v, q_pos]
+    for step in range(n):
+        s = q @ block[0].transpose(-2, -1) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(block[2][None, :] > q_pos[:, None], -math.inf)
+        p = torch.exp(s - 50.0)
         num, den = num + p @ block[1], den + p.sum(-1, keepdim=True)
         if step < n - 1:
             block = hop_with_parity(block)
     return num / den
+
+
+def attention_keeping_every_block(q, k, v, positions):
+    """The ring's messages, right numbers, but every visiting block kept and one dense softmax
+    over all of them at the end: the whole sequence's K/V on every rank."""
+    n = dist.get_world_size()
+    q_pos = positions.to(torch.float64)
+    block, seen = [k, v, q_pos], []
+    for step in range(n):
+        seen.append(block)
+        if step < n - 1:
+            block = hop_with_parity(block)
+    keys, values, pos = (torch.cat([b[i] for b in seen], dim=-2 if i < 2 else 0)
+                         for i in range(3))
+    s = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(pos[None, :] > q_pos[:, None], -math.inf)
+    return torch.softmax(s, -1) @ values
 
 
 def attention_by_gathering(q, k, v, positions):
@@ -156,6 +210,18 @@ def attention_by_the_course(q, k, v, positions):
 def test_ring_attention_written_differently_passes(capsys):
     ch12.check_ring_attention(attention_with_own_scores)
     assert "✅" in capsys.readouterr().out
+
+
+def test_ring_attention_with_a_fixed_shift_is_refused_at_large_scores():
+    with pytest.raises(CheckFailed, match="scores of about a thousand .* inf or nan.*running "
+                                          "maximum"):
+        ch12.check_ring_attention(attention_with_a_fixed_shift)
+
+
+def test_ring_attention_that_keeps_every_block_is_refused_though_its_messages_are_right():
+    with pytest.raises(CheckFailed, match=r"on 3 ranks and [\d,]+ on 5 .* K/V blocks more: it "
+                                          r"keeps what it has seen"):
+        ch12.check_ring_attention(attention_keeping_every_block)
 
 
 def test_attention_by_all_gather_is_refused_though_its_numbers_are_right():
@@ -229,6 +295,25 @@ def backward_by_autograd_on_gathered(q, k, v, positions, out, lse, grad_out):
     return fq.grad[:, :, mine], fk.grad[:, :, mine], fv.grad[:, :, mine]
 
 
+def backward_exponentiating_apart(q, k, v, positions, out, lse, grad_out):
+    """The one-hop-behind ring, with P = exp(S) · exp(-lse): inf · 0 at large scores."""
+    n = dist.get_world_size()
+    q_pos = positions.to(torch.float64)
+    c = 1 / math.sqrt(q.shape[-1])
+    block, dq, grads = [k, v, q_pos], torch.zeros_like(q), None
+    for step in range(n):
+        bk, bv, bpos = block
+        s = (q @ bk.transpose(-2, -1) * c).masked_fill(bpos[None, :] > q_pos[:, None], -math.inf)
+        p = s.exp() * (-lse[..., None]).exp()
+        ds = p * (grad_out @ bv.transpose(-2, -1) - (grad_out * out).sum(-1)[..., None])
+        dq = dq + ds @ bk * c
+        gk, gv = ds.transpose(-2, -1) @ q * c, p.transpose(-2, -1) @ grad_out
+        grads = hop_with_parity([gk, gv] if grads is None else [grads[0] + gk, grads[1] + gv])
+        if step < n - 1:
+            block = hop_with_parity(block)
+    return dq, grads[0], grads[1]
+
+
 def backward_by_the_course(q, k, v, positions, out, lse, grad_out):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     cp.ring_attention(q, k, v, positions, causal=True).backward(grad_out)
@@ -251,6 +336,143 @@ def test_ring_backward_by_gathering_everything_is_refused():
         ch12.check_ring_backward(backward_by_autograd_on_gathered)
 
 
+def test_ring_backward_exponentiating_scores_and_lse_apart_is_refused_at_large_scores():
+    with pytest.raises(CheckFailed, match="scores of about a thousand .* inf or nan.*exp.S - lse."):
+        ch12.check_ring_backward(backward_exponentiating_apart)
+
+
 def test_ring_backward_calling_the_course_is_refused():
     with pytest.raises(CheckFailed, match="course's own ring_attention"):
         ch12.check_ring_backward(backward_by_the_course)
+
+
+
+# ---- predict, then run: one ring step and its crossover ----------------------------------------
+
+def step_per_token(c, heads, kv_heads, head_dim, itemsize, flops, link):
+    """Written per token and per message: FLOPs a query spends on half the visiting block."""
+    per_query = 4 * (c / 2) * heads * head_dim            # half the keys, causal zig-zag
+    message = link.alpha + c * kv_heads * head_dim * itemsize / link.bandwidth
+    return c * per_query / flops, message + message
+
+
+def crossover_by_bisection(heads, kv_heads, head_dim, itemsize, flops, link):
+    lo, hi = 0.0, 1.0
+    args = (heads, kv_heads, head_dim, itemsize, flops, link)
+    while step_per_token(hi, *args)[0] < step_per_token(hi, *args)[1]:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        kernel, hop = step_per_token(mid, *args)
+        lo, hi = (mid, hi) if kernel < hop else (lo, mid)
+    return hi
+
+
+def step_without_latency(c, heads, kv_heads, head_dim, itemsize, flops, link):
+    return 2 * c * c * heads * head_dim / flops, \
+        2 * c * kv_heads * head_dim * itemsize / link.bandwidth
+
+
+def step_of_a_whole_block(c, heads, kv_heads, head_dim, itemsize, flops, link):
+    kernel, hop = step_per_token(c, heads, kv_heads, head_dim, itemsize, flops, link)
+    return 2 * kernel, hop
+
+
+def step_with_query_heads_travelling(c, heads, kv_heads, head_dim, itemsize, flops, link):
+    kernel, _ = step_per_token(c, heads, kv_heads, head_dim, itemsize, flops, link)
+    return kernel, 2 * (link.alpha + c * heads * head_dim * itemsize / link.bandwidth)
+
+
+def crossover_of_the_chapter(heads, kv_heads, head_dim, itemsize, flops, link):
+    """The chapter's condition c >= (P / B)(KV / H)(item / 2) / f, latency left out."""
+    return flops / link.bandwidth * kv_heads / heads * itemsize / 2 / 0.5
+
+
+def crossover_by_the_course(heads, kv_heads, head_dim, itemsize, flops, link):
+    return cp.overlap_condition(flops, link.bandwidth, heads, kv_heads, itemsize, causal=True)
+
+
+def step_stub(c, heads, kv_heads, head_dim, itemsize, flops, link):
+    raise NotImplementedError("exercise: replace this line with your code")
+
+
+def test_ring_step_written_differently_passes_and_runs_below_and_above(capsys):
+    ch12.check_ring_step(step_per_token, crossover_by_bisection)
+    out = capsys.readouterr().out
+    assert "✅" in out and out.count("emulated") >= 4
+    assert "below your crossover" in out and "above your crossover" in out
+
+
+@pytest.mark.parametrize("step, crossover, says", [
+    (step_without_latency, crossover_by_bisection, "counts nothing; it pays 2·α"),
+    (step_of_a_whole_block, crossover_by_bisection, r"half a block \(f = ½\)"),
+    (step_with_query_heads_travelling, crossover_by_bisection, "K and V have kv_heads heads"),
+    (step_per_token, crossover_of_the_chapter, "yours leaves out the latency"),
+    (step_per_token, crossover_by_the_course, "course's own overlap_condition"),
+])
+def test_ring_step_names_the_term_that_is_off(step, crossover, says):
+    with pytest.raises(CheckFailed, match=says):
+        ch12.check_ring_step(step, crossover)
+
+
+def test_ring_step_stub_fails_cleanly():
+    with pytest.raises(NotImplementedError, match="ring_step is not written yet"):
+        ch12.check_ring_step(step_stub, crossover_by_bisection)
+
+# ---- chapter 12's long-context comparison, as the planner prices it (stale prose fails) ----------
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "12_context_parallelism.ipynb"
+
+
+def _says(text):
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    prose = " ".join(" ".join("".join(c["source"]) for c in cells
+                              if c["cell_type"] == "markdown").split())
+    assert text in prose, f"chapter 12's prose no longer says {text!r}: recompute and fix it"
+
+
+def test_context_parallel_against_recompute_and_tp_as_the_chapter_quotes():
+    """Section 7's ways to fit 262,144 tokens of Llama-2 7B, priced by layout.price (the planner
+    of chapter 10, the one source of these numbers), as the notebook's cell calls it."""
+    from distlab import hardware, layout
+    model = layout.SHAPES["Llama-2 7B"]
+    ways = [dict(dp=4, cp=1, tp=8, checkpointing="none"),
+            dict(dp=4, cp=1, tp=8, checkpointing="selective"),
+            dict(dp=4, cp=1, tp=8, checkpointing="full", sequence_parallel=False),
+            dict(dp=4, cp=1, tp=8, checkpointing="full"),
+            dict(dp=2, cp=2, tp=8, checkpointing="none"),
+            dict(dp=2, cp=2, tp=8, checkpointing="full"),
+            dict(dp=1, cp=4, tp=8, checkpointing="none"),
+            dict(dp=1, cp=8, tp=4, checkpointing="none")]
+    rows = [layout.price(model, pp=1, global_batch=4, seq_len=262_144, cluster="h100-cluster",
+                         **w) for w in ways]
+    none, selective, no_sp, full, cp2, cp2_full, cp4, cp8 = rows
+    assert [r["fits"] for r in rows] == [False, False, False, True, False, True, True, True]
+    for r in rows:       # the peak's parts add up to the peak the planner reports
+        assert sum(r["peak_parts"].values()) == pytest.approx(r["gb"], rel=1e-12)
+    assert selective["gb"] == none["gb"] and selective["step_s"] == none["step_s"]
+    _says(f"TP+SP alone keeps {none['gb']:.0f} GB per GPU")
+    device = hardware.PRESETS["h100-cluster"].device
+    by_layer = {r: layout.layer_seconds(model, device, 262_144, 1, 8, recompute=r)
+                for r in ("none", "full")}
+    attention_share = ((by_layer["full"]["attention"] - by_layer["none"]["attention"])
+                       / by_layer["full"]["recompute"])
+    _says(f"each layer's whole input: {no_sp['gb']:.0f} GB) — {full['gb']:.1f} GB per GPU, but "
+          f"every step runs the forward again: {full['step_s']:.1f} s, of which "
+          f"{full['recompute_s']:.1f} s recompute ({attention_share * 100:.0f} % of it attention")
+    block = 262_144 // 4
+    _says(f"cp = 4 without recompute fits at {cp4['gb']:.1f} GB and takes {cp4['step_s']:.1f} s, "
+          f"{full['step_s'] / cp4['step_s']:.2f} times faster: the ring's {block:,}-token blocks "
+          f"hide their hops behind the attention (cp comm {cp4['cp_s']:.2f} s)")
+    assert cp4["cp_s"] == 0.0 and cp2["gb"] > 80
+    _says(f"cp = 2 misses 80 GB by {cp2['gb'] - 80:.1f} GB without recompute")
+    assert cp2_full["step_s"] > cp4["step_s"]
+    assert cp8["step_s"] < cp4["step_s"] and cp8["tp_s"] < cp4["tp_s"]
+    _says(f"cp = 8 at tp = 4 is faster still ({cp8['step_s']:.1f} s at {cp8['gb']:.1f} GB): "
+          f"halving *tp* cuts tensor parallelism's communication from {cp4['tp_s']:.2f} s to "
+          f"{cp8['tp_s']:.2f} s")
+    # attention FLOPs at this length: causal 2·s·h per token and layer forward, against 2·N
+    per_token = layout.attention_flops(model, 262_144, 1) / 262_144 * model.layers
+    ratio = per_token / (2 * model.params())
+    assert round(ratio) == 5
+    _says("attention at 262k tokens is about five times the dense FLOPs")

@@ -28,10 +28,10 @@ Blocks may hold different numbers of tokens (7 tokens on 3 ranks: 3, 2, 2): two 
 all-gathers at the start (block lengths, then positions) size every buffer a block arrives in
 and tell every rank which tokens each block holds.
 
-At the end, closed forms for full size: one ring step's kernel and hop (`ring_step_seconds`),
-the block length above which the hop hides (`overlap_condition`, `overlap_block_length`), and
-ways to fit a long sequence — context parallelism, recompute, TP+SP — priced for memory and
-time (`long_context_layouts`).
+At the end, closed forms for full size: one ring step's kernel and hop (`ring_step_seconds`)
+and the block length above which the hop hides (`overlap_condition`, `overlap_block_length`).
+The ways to fit a long sequence — context parallelism, recompute, TP+SP — are priced by the
+planner (`distlab.layout.price` with `cp=`, `checkpointing=`, `sequence_parallel=`), not here.
 """
 import math
 
@@ -521,7 +521,7 @@ def _check_block(q, k, v, positions):
                          f"({q.shape[-2]}); got shape {tuple(positions.shape)}.")
 
 
-# ---- time and memory at full size (closed forms) ---------------------------------------------------
+# ---- time at full size (closed forms) ------------------------------------------------------------
 #
 # The emulator charges ring attention op by op (the flash kernels' FLOPs at the device's achieved
 # efficiency, each message at its link's latency and bandwidth); these closed forms charge the same
@@ -569,95 +569,6 @@ def overlap_block_length(device, link, heads=32, head_dim=128, kv_heads=None, ca
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if hidden(mid) else (mid, hi)
     return hi
-
-
-def activation_bytes(seq_len, hidden, layers, tp=1, cp=1, sp=True, recompute="none",
-                     micro_batch=1, bytes_per_value=2):
-    """Activations one rank keeps for backward (flash attention: no s×s scores), from
-    Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models,
-    Table 2), per layer with s = seq_len/cp tokens on this rank, b = micro_batch, h = hidden:
-    - recompute "none" or "selective": with sequence parallelism 34·s·b·h / t; tensor parallelism
-      without it keeps the LayerNorm and dropout inputs whole, s·b·h·(10 + 24/t). Selective
-      recompute (the attention core: softmax, its dropout, the scores) saves the 5·a·s²·b term,
-      which flash attention never stores anyway: with flash it saves nothing more.
-    - "full": each layer's input only, 2·s·b·h (split over t with sequence parallelism, whole on
-      every tensor-parallel rank without it).
-    Bytes as Korthikanti counts them (16-bit values, 1-byte dropout masks); `bytes_per_value`
-    scales them from 2."""
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be 'none', 'selective' or 'full'; got {recompute!r}.")
-    sbh = seq_len / cp * micro_batch * hidden * bytes_per_value / 2
-    if recompute == "full":
-        per_layer = 2 * sbh / (tp if sp else 1)
-    else:
-        per_layer = 34 * sbh / tp if sp else sbh * (10 + 24 / tp)
-    return layers * per_layer
-
-
-def long_context_layouts(model, cluster, seq_len, global_batch, options, dtype=torch.bfloat16,
-                         gpu_bytes=80e9):
-    """Ways to fit one long sequence's activations, each priced for memory and time per step.
-
-    `options`: dicts of dp, cp, tp (tp inside a node, cp next, dp outermost), sp (sequence
-    parallelism with tp), recompute ("none", "selective", "full"). Memory per GPU: bf16 weights
-    + fp32 grads, Adam and master weights sharded over dp·cp (ZeRO-1, memory.model_state_bytes),
-    activations (`activation_bytes`), the fp32 logits of one micro-batch (vocabulary-parallel
-    cross-entropy over tp, Megatron-LM), and at the peak of backward with full recompute one
-    layer's activations recomputed. Time: hardware.step_seconds on the rank's s/cp tokens
-    (calibrated GEMMs, flash attention, tensor-parallel communication, recompute's extra
-    forward), plus the attention against the other cp−1 blocks, the ring's hops where they do
-    not hide behind a step's kernel (`ring_step_seconds`, every forward-like pass; the last dK/dV
-    hop home exposed), and the gradient all-reduce over dp·cp (not overlapped)."""
-    from . import hardware, memory
-    rows = []
-    head_dim, item = model.hidden // model.heads, torch.empty((), dtype=dtype).element_size()
-    for o in options:
-        dp, cp, tp, sp, recompute = o["dp"], o["cp"], o["tp"], o.get("sp", True), o["recompute"]
-        n_gpus, s = dp * cp * tp, seq_len // cp
-        step = hardware.step_seconds(model, cluster, dp * tp, global_batch, s, tp=tp,
-                                     recompute=recompute, dtype=dtype)
-        m = step["micro_batches"]
-        passes = 4 if recompute == "full" else 3
-        heads, kv = model.heads // tp, (model.kv_heads or model.heads) // tp
-        cp_link = cluster.link_between(range(0, cp * tp, tp))
-        ring = ring_step_seconds(cluster.device, cp_link, s, heads, head_dim, kv, True, dtype)
-        extra_attention = m * model.layers * passes * (cp - 1) * ring["compute"] / hardware.SUSTAINED
-        cp_exposed = 0.0 if cp == 1 else m * model.layers * (
-            passes * (cp - 1) * max(0.0, ring["hop"] - ring["compute"]) + ring["hop"])
-        grads = item * model.params() / tp
-        dp_link = cluster.link_between(range(0, n_gpus, tp))
-        dp_comm = 0.0 if dp * cp == 1 else dp_link.seconds("all_reduce", grads, dp * cp)
-        states = sum(memory.model_state_bytes(model.params() / tp, zero_stage=1,
-                                              world_size=dp * cp).values())
-        acts = activation_bytes(seq_len, model.hidden, model.layers, tp, cp, sp, recompute)
-        logits = 4 * s * model.vocab / tp
-        working = (activation_bytes(seq_len, model.hidden, 1, tp, cp, sp, "none")
-                   if recompute == "full" else 0.0)
-        peak = states + acts + logits + working
-        seconds = step["compute"] + extra_attention + step["tp"] + cp_exposed + dp_comm
-        rows.append(dict(dp=dp, cp=cp, tp=tp, sp=sp, recompute=recompute, gpus=n_gpus,
-                         states=states, activations=acts, logits=logits, working=working,
-                         peak=peak, fits=peak <= gpu_bytes, step=seconds,
-                         compute=step["compute"] + extra_attention, tp_comm=step["tp"],
-                         cp_comm=cp_exposed, dp_comm=dp_comm, block=s,
-                         ring_hidden=cp == 1 or ring["overlap"]))
-    return rows
-
-
-def layouts_table(rows):
-    """The comparison as text, one line per way of fitting."""
-    head = (f"{'dp':>3} {'cp':>3} {'tp':>3} {'SP':>4} {'recompute':>9}  {'states':>6} "
-            f"{'acts':>6} {'logits':>6} {'peak GB':>7} {'fits':>4}  {'step s':>6} {'compute':>7} "
-            f"{'tp comm':>7} {'cp exp.':>7} {'dp comm':>7}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['dp']:>3} {r['cp']:>3} {r['tp']:>3} {'yes' if r['sp'] else 'no':>4} "
-            f"{r['recompute']:>9}  {r['states'] / 1e9:>6.1f} {r['activations'] / 1e9:>6.1f} "
-            f"{r['logits'] / 1e9:>6.1f} {r['peak'] / 1e9:>7.1f} {'yes' if r['fits'] else 'no':>4}  "
-            f"{r['step']:>6.2f} {r['compute']:>7.2f} {r['tp_comm']:>7.2f} {r['cp_comm']:>7.2f} "
-            f"{r['dp_comm']:>7.2f}")
-    return "\n".join(lines)
 
 
 def plan_work(plan):

@@ -247,7 +247,8 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
           optimizer="adam", bucket_bytes=BUCKET_BYTES, dp_messages=None, schedule="1f1b",
           dropout=False, scatter_gather=True, overlap_pp=False):
     """Seconds per step (split into compute, bubble, tp, cp, pp, dp, optimizer) and GB per GPU
-    (peak and steady) of one layout, on the calibrated `cluster` (a preset name or a
+    (peak and steady; `peak_parts`: the peak's model states, saved activations, one layer
+    recomputed under full recompute, and logits, in GB) of one layout, on the calibrated `cluster` (a preset name or a
     hardware.Cluster).
 
     `model`: a name in SHAPES, a hardware.Transformer, or (n_params, layers, hidden, heads).
@@ -309,6 +310,13 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     peak_first = steady + working + (logits if pp == 1 else 0.0)
     peak_last = states["last"] + acts_last + working + logits
     peak = max(peak_first, peak_last)
+    # what the peak is made of, on the stage where it occurs (chapter 12 sets them side by side)
+    if peak_first >= peak_last:
+        parts = (states["first"], acts_first, working, logits if pp == 1 else 0.0)
+    else:
+        parts = (states["last"], acts_last, working, logits)
+    peak_parts = dict(zip(("states", "activations", "working", "logits"),
+                          (x / memory.GB for x in parts)))
     limit = gpu_bytes if gpu_bytes is not None else (dev.memory_bytes or 80 * memory.GB)
 
     # ---- compute --------------------------------------------------------------------------
@@ -417,7 +425,7 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
                 fits=peak <= limit, step_s=step, compute_s=compute, recompute_s=recompute_s,
                 bubble_s=bubble, tp_s=tp_time, cp_s=cp_time, pp_s=pp_time, dp_s=dp_time,
                 optimizer_s=optimizer_s, head_s=head_s, micro_batches=m, interleave=v,
-                mfu=useful / (step * n_gpus * dev.peak(_BF16)))
+                mfu=useful / (step * n_gpus * dev.peak(_BF16)), peak_parts=peak_parts)
 
 
 def rank_layouts(model, nodes=4, gpus_per_node=8, global_batch=512, micro_batch=1, cps=(1,),
