@@ -178,6 +178,19 @@ def ce_no_max(logits_shard, target, vocab_start, group):
             - SumFwd.apply(picked, group))
 
 
+def ce_torch_all_reduce(logits_shard, target, vocab_start, group):
+    """torch's differentiable all_reduce for the sums: its backward all-reduces the gradient."""
+    import torch.distributed.nn.functional as dnf
+    m = logits_shard.detach().max(dim=1).values
+    dist.all_reduce(m, op=ReduceOp.MAX, group=group)
+    z = logits_shard - m[:, None]
+    local = target - vocab_start
+    here = ((local >= 0) & (local < z.shape[1])).double()
+    picked = (z * F.one_hot(local.clamp(0, z.shape[1] - 1), z.shape[1]) * here[:, None]).sum(1)
+    world = group or dist.group.WORLD
+    return dnf.all_reduce(z.exp().sum(1), group=world).log() - dnf.all_reduce(picked, group=world)
+
+
 def test_vocab_ce_accepts_differently_written_answers():
     ch07.check_vocab_parallel_cross_entropy(ce_gathered_stats, world_sizes=(3,))
     ch07.check_vocab_parallel_cross_entropy(ce_with_own_g, world_sizes=(2,))
@@ -194,6 +207,10 @@ def test_vocab_ce_names_the_missing_max_and_refuses_stubs():
     with pytest.raises(CheckFailed, match=r"logits near 1000\), rank 0, per-token loss.*"
                                           r"overflows.*op=MAX"):
         ch07.check_vocab_parallel_cross_entropy(ce_no_max, world_sizes=(2,))
+
+    with pytest.raises(CheckFailed, match=r"logit-shard gradient.*the gradient is 2× the right "
+                                          r"one: every rank computed the same loss"):
+        ch07.check_vocab_parallel_cross_entropy(ce_torch_all_reduce, world_sizes=(2,))
 
     def vocab_parallel_cross_entropy(logits_shard, target, vocab_start, group):
         raise NotImplementedError
@@ -287,6 +304,20 @@ def test_estimate_accepts_a_differently_written_formula_and_runs_the_layer(capsy
     t = {key: seconds for key, (seconds, _, _) in runs.items()}
     assert t["h100-node", True] > 1.1 * t["h100-node", False]
     assert abs(t["h100 2 nodes × 2", True] / t["h100 2 nodes × 2", False] - 1) < 0.03
+
+
+def test_workbook_07_prose_numbers_are_computed():
+    import pathlib
+
+    import nbformat
+    path = pathlib.Path(__file__).resolve().parent.parent / "solutions" / "07_tensor_parallel.ipynb"
+    prose = " ".join("\n".join(c.source for c in nbformat.read(path, as_version=4).cells
+                               if c.cell_type == "markdown").split())
+    logits = 128 * 1024 * 8 * 1024 * torch.finfo(torch.float32).bits // 8     # vocab × tokens
+    assert f"{logits / 2**30:.0f} GiB of float32 logits" in prose
+    assert f"overflows above {math.floor(math.log(torch.finfo(torch.float64).max))})" in prose
+    assert ch07.VOCAB_CASES[2][1][2] == ch07.VOCAB_CASES[3][0][2] == 1000.0
+    assert "logits near 1000" in prose
 
 
 # ---- the real-size lesson: TP's communication against its compute -----------------------------

@@ -406,8 +406,8 @@ def _check_vocab_structure(trace, ws, name):
                          if per_token >= 0.9 * vocab / ws else "")
                 raise CheckFailed(
                     f"{name} ({_vocab_where(ws, c)}): in forward, rank {rank} made "
-                    f"{_describe_calls(calls)} (from the run's trace), {per_token:.3g} float64 "
-                    f"numbers per token{whole}. Vocab parallelism exists so that no rank ever "
+                    f"{_describe_calls(calls)} (from the run's trace), {per_token:.3g} numbers of 8 "
+                    f"bytes per token{whole}. Vocab parallelism exists so that no rank ever "
                     f"holds the (tokens × vocabulary) logits — at a 128k vocabulary and 8k tokens "
                     f"that is 4 GiB in float32 — so what travels must be a few numbers per token "
                     f"whatever the vocabulary (the max, the sum of exps, the target's logit: at "
