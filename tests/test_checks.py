@@ -128,3 +128,17 @@ def test_a_collective_only_rank_0_reached_is_one_sentence():
     assert first.startswith("only rank 0 reached the barrier at `dist.barrier()` "
                             "(only_rank_0_reduces, line")
     assert "rank 1 had returned without calling it" in first
+
+
+def _imports_checks(rank, world_size):
+    import sys
+    before = "nbformat" in sys.modules
+    import distlab.checks.ch11  # noqa: F401
+    return before, "nbformat" in sys.modules
+
+
+def test_a_rank_importing_the_checkers_does_not_import_nbformat():
+    # nbformat pulls in jsonschema (≈3 CPU-s a process); every rank of every check imports
+    # distlab.checks, and only the parent needs the exercise stub's message.
+    before, after = distlab.run(_imports_checks, 1)[0]
+    assert after == before

@@ -219,192 +219,261 @@ def test_ch11_straggler_numbers_are_the_emulated_runs():
         assert q in text, q
 
 
-# ---- the workbook's checkers: fixes pass, broken versions fail with the right sentence -------------
+# ---- the workbook's checkers: for each, a differently written answer passes, a wrong structure and
+# ---- a cheat fail with the right sentence (the solutions themselves pass under nbval) -----------
 
-def mean_loss_fixed(loss, rank, world_size):
-    dist.all_reduce(loss)
-    return loss / world_size
+def report_gathered(loss, rank, world_size):
+    # Differently written: gather every loss, argmax takes the first maximum.
+    losses = [torch.zeros((), dtype=loss.dtype) for _ in range(world_size)]
+    dist.all_gather(losses, loss)
+    stacked = torch.stack(losses)
+    return stacked.mean(), int(stacked.argmax())
 
 
-def mean_loss_hangs(loss, rank, world_size):
-    if rank == 0:
-        dist.all_reduce(loss)
-        return loss / world_size
+def report_own_guess(loss, rank, world_size):
+    # Wrong: the mean is right, but each rank names itself or nobody: the ranks disagree.
+    top = loss.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    total = loss.clone()
+    dist.all_reduce(total)
+    return total / world_size, rank if loss == top else -1
+
+
+def report_cheat(loss, rank, world_size):
+    return ch11._expected_report([loss.item()] * world_size)
+
+
+def test_loss_report_checker(capsys):
+    ch11.check_loss_report(report_gathered)
+    assert capsys.readouterr().out.count("✅") == 1
+    with pytest.raises(CheckFailed, match=r"report_own_guess with world_size=2, case 'every rank's loss "
+                                          r"different', rank \d: worst rank -1, expected \d"):
+        ch11.check_loss_report(report_own_guess, seed=1)
+    with pytest.raises(CheckFailed, match=r"checker's own _expected_report \(distlab/checks/"
+                                          r"ch11.py\)"):
+        ch11.check_loss_report(report_cheat)
+
+
+def uneven_two_passes(model, n_local):
+    # Differently written: the total count first, then each gradient scaled and summed.
+    n = torch.tensor(float(n_local), dtype=torch.float64)
+    dist.all_reduce(n)
+    for p in model.parameters():
+        p.grad *= n_local / n
+        dist.all_reduce(p.grad)
+
+
+def uneven_plain_mean(model, n_local):
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def uneven_copied_course_code(model, n_local):
+    # A cheat: the course's file loaded again under another name (new function objects).
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("distlab._again", debug.__file__)
+    again = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(again)
+    again.average_gradients(model)
+
+
+def test_uneven_average_checker(capsys):
+    ch11.check_uneven_average(uneven_two_passes)
+    assert capsys.readouterr().out.count("✅") == 1
+    with pytest.raises(CheckFailed, match=r"world_size=2 \(shards of 6\+5 samples\): rank 0's "
+                                          r"gradient at step 0 is the plain mean"):
+        ch11.check_uneven_average(uneven_plain_mean)
+    with pytest.raises(CheckFailed, match="course's own average_gradients"):
+        ch11.check_uneven_average(uneven_copied_course_code)
+
+
+def sync_state_flattened(model):
+    # Differently written: torch's own flatten/unflatten, dtypes in first-seen order.
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    groups = {}
+    for t in model.state_dict().values():
+        groups.setdefault(t.dtype, []).append(t)
+    for tensors in groups.values():
+        flat = _flatten_dense_tensors(tensors)
+        dist.broadcast(flat, 0)
+        with torch.no_grad():
+            for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+                t.copy_(new)
+
+
+def sync_parameters_only(model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    dist.broadcast(flat, 0)
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(flat, model.parameters())
+
+
+def sync_state_per_tensor(model):
+    for t in model.state_dict().values():
+        dist.broadcast(t, 0)
+
+
+def test_sync_state_checker(capsys):
+    ch11.check_sync_state(sync_state_flattened)
+    assert capsys.readouterr().out.count("✅") == 1
+    with pytest.raises(CheckFailed, match=r"rank 1's buffer 1.running_mean is not rank 0's. "
+                                          r"Buffers are state too"):
+        ch11.check_sync_state(sync_parameters_only)
+    with pytest.raises(CheckFailed, match=r"rank 0 made 9 broadcasts, one per tensor; the state "
+                                          r"holds 9 tensors of 2 dtypes \(float32, int64\)"):
+        ch11.check_sync_state(sync_state_per_tensor)
+    with pytest.raises(CheckFailed, match="course's own broadcast_parameters"):
+        ch11.check_sync_state(debug.broadcast_parameters)
+
+
+def divergence_gathered(named):
+    # Differently written: every rank's checksums gathered, compared on every rank.
+    ws = dist.get_world_size()
+    sums = torch.stack([torch.stack([g.double().sum(),
+                                     (g.double().flatten() * torch.arange(1.0, g.numel() + 1,
+                                                                          dtype=torch.float64)).sum()])
+                        for _, g in named])
+    everyone = [torch.empty_like(sums) for _ in range(ws)]
+    dist.all_gather(everyone, sums)
+    for i, (name, _) in enumerate(named):
+        for r in range(1, ws):
+            if not torch.equal(everyone[r][i], everyone[0][i]):
+                return r, name
+    return None
+
+
+def divergence_sums_only(named):
+    # Wrong: compared with rank 0 by plain sums, which a swap leaves equal.
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    sums = torch.stack([g.double().sum() for _, g in named])
+    zero = sums.clone()
+    dist.broadcast(zero, 0)
+    who = torch.where(sums != zero, torch.tensor(rank), torch.tensor(ws))
+    dist.all_reduce(who, op=dist.ReduceOp.MIN)
+    bad = (who < ws).nonzero()
+    return None if len(bad) == 0 else (who[bad[0, 0]].item(), named[bad[0, 0]][0])
+
+
+def divergence_cheat(named):
+    module = torch.nn.Module()
+    for i, (_, g) in enumerate(named):
+        module.register_parameter(f"p{i}", torch.nn.Parameter(g.clone()))
+    return debug.replicas_out_of_sync(module) or None
+
+
+def test_first_divergence_checker(capsys):
+    ch11.check_first_divergence(divergence_gathered)
+    assert capsys.readouterr().out.count("✅") == 1
+    with pytest.raises(CheckFailed, match=r"case 'at step 1, two elements of net.0.weight swapped "
+                                          r"on rank 1': at step 1 rank 0 returned None, expected "
+                                          r"\(1, 'net.0.weight'\) \(a plain sum does not see"):
+        ch11.check_first_divergence(divergence_sums_only)
+    with pytest.raises(CheckFailed, match="course's own replicas_out_of_sync"):
+        ch11.check_first_divergence(divergence_cheat)
+
+
+def pipeline_batched(x, stage, rank, pp, dp):
+    # Differently written: P2POp batches, peers from the mesh coordinates.
+    from torch.distributed import P2POp, batch_isend_irecv, irecv, isend
+    replica, s = divmod(rank, pp)
+    first, last = replica * pp, replica * pp + pp - 1
+    if rank > first:
+        for w in batch_isend_irecv([P2POp(irecv, x, rank - 1)]):
+            w.wait()
+        x = x.detach().requires_grad_()
+    out = stage(x)
+    if rank == last:
+        loss = (out * out).sum()
+        loss.backward()
+    else:
+        grad = torch.zeros_like(out)
+        for w in batch_isend_irecv([P2POp(isend, out.detach(), rank + 1),
+                                    P2POp(irecv, grad, rank + 1)]):
+            w.wait()
+        torch.autograd.backward(out, grad)
+        loss = None
+    if rank > first:
+        isend(x.grad, rank - 1).wait()
     return loss
 
 
-def sync_fixed(model):
-    debug.broadcast_parameters(model)
+def pipeline_logs_to_rank_0(x, stage, rank, pp, dp):
+    # Wrong structure: right values, and every replica's last stage sends its loss to rank 0 for
+    # logging: a message across replicas.
+    loss = pipeline_batched(x, stage, rank, pp, dp)
+    lasts = [d * pp + pp - 1 for d in range(dp)]
+    if rank in lasts and rank != 0:
+        dist.send(loss.detach(), 0)
+    if rank == 0:
+        for r in lasts:
+            if r != 0:
+                dist.recv(torch.zeros((), dtype=torch.float64), r)
+    return loss
 
 
-def differ_fixed(model):
-    return bool(debug.replicas_out_of_sync(model))
+def pipeline_cheat(x, stage, rank, pp, dp):
+    loss, grads = ch11._pipe_expected(rank // pp, pp)
+    return loss
 
 
-def differ_sum_only(model):
-    total = torch.stack([p.detach().double().sum() for p in model.parameters()])
-    lo, hi = total.clone(), total.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    return not torch.equal(lo, hi)
+def test_pipeline_step_checker(capsys):
+    ch11.check_pipeline_step(pipeline_batched)
+    assert capsys.readouterr().out.count("✅") == 1
+    with pytest.raises(CheckFailed, match=r"dp=2 replicas x pp=2 stages: rank 0 \(replica 0, "
+                                          r"stage 0\) received 8 bytes from rank 3, which is "
+                                          r"replica 1's stage 1; .* its neighbours are \[1\]"):
+        ch11.check_pipeline_step(pipeline_logs_to_rank_0)
+    with pytest.raises(CheckFailed, match=r"checker's own _pipe_expected"):
+        ch11.check_pipeline_step(pipeline_cheat)
 
 
-def test_checkers_pass_the_fixes(capsys):
-    ch11.check_mean_loss(mean_loss_fixed)
-    ch11.check_my_shard(strided)
-    ch11.check_average_gradients(debug.average_gradients)
-    ch11.check_sync_replicas(sync_fixed)
-    ch11.check_replicas_differ(differ_fixed)
-    assert capsys.readouterr().out.count("✅") == 5
-
-
-def test_checkers_reject_the_bugs(monkeypatch):
-    distlab.run(lambda rank, world_size: None, 2)  # the forkserver is up: the limit is all hang
-    monkeypatch.setattr(ch11, "TIMEOUT", 4)
-    with pytest.raises(CheckFailed, match="mean_loss (hung with|with) world_size=2.*every rank must "
-                                          "call the same collectives"):
-        ch11.check_mean_loss(mean_loss_hangs)
-    monkeypatch.setattr(ch11, "TIMEOUT", 60)
-    with pytest.raises(CheckFailed, match="ranks 0 and 1 both got the same sample"):
-        ch11.check_my_shard(no_sampler)
-    with pytest.raises(CheckFailed, match="gradients are 2x the single-process ones: they were summed"):
-        ch11.check_average_gradients(summed)
-    with pytest.raises(CheckFailed, match="they are not a plain average"):
-        ch11.check_average_gradients(not_reduced)
-    with pytest.raises(CheckFailed, match="4 parameter tensors still differ"):
-        ch11.check_sync_replicas(lambda model: None)
-    with pytest.raises(CheckFailed, match="case 'two elements swapped on rank 1': rank 0 returned False"):
-        ch11.check_replicas_differ(differ_sum_only)
-
-
-def test_unsolved_stub_is_one_line_not_implemented():
-    def stub(*args):
-        raise NotImplementedError("exercise: replace this line with your code")
-    with pytest.raises(NotImplementedError, match="mean_loss is not written yet"):
-        ch11.check_mean_loss(stub)
-
-
-# ---- exercises 6 and 7: TP/PP bugs (issue 14) ------------------------------------------------------
-
-def pipeline_forward(x, stage_fn, rank, pp, dp):
-    stage = rank // dp
-    if stage > 0:
-        dist.recv(x, src=rank - dp)
-    y = stage_fn(x)
-    if stage < pp - 1:
-        dist.send(y, dst=rank + dp)
-    return y
-
-
-def pipeline_forward_batched(x, stage_fn, rank, pp, dp):
-    # Differently written: DeviceMesh-free peers from divmod, batch_isend_irecv.
-    from torch.distributed import P2POp, batch_isend_irecv, irecv, isend
-    stage, replica = divmod(rank, dp)
-    if stage > 0:
-        for w in batch_isend_irecv([P2POp(irecv, x, (stage - 1) * dp + replica)]):
-            w.wait()
-    y = stage_fn(x)
-    if stage < pp - 1:
-        isend(y, (stage + 1) * dp + replica).wait()
-    return y
-
-
-def pipeline_forward_next_rank(x, stage_fn, rank, pp, dp):
-    # The bug: the next rank, not the next stage of this replica.
-    stage = rank // dp
-    if stage > 0:
-        dist.recv(x, src=rank - 1)
-    y = stage_fn(x)
-    if stage < pp - 1:
-        dist.send(y, dst=rank + 1)
-    return y
-
-
-def pipeline_forward_relay(x, stage_fn, rank, pp, dp):
-    # Right values, wrong route: each stage's replica 0 collects and forwards for everyone.
-    stage, replica = divmod(rank, dp)
-    if stage > 0 and replica == 0:
-        for d in range(dp):
-            buf = torch.empty_like(x)
-            dist.recv(buf, src=(stage - 1) * dp + d)
-            if d == 0:
-                x = buf
-            else:
-                dist.send(buf, dst=stage * dp + d)
-    elif stage > 0:
-        dist.recv(x, src=stage * dp)
-    y = stage_fn(x)
-    if stage < pp - 1:
-        dist.send(y, dst=(stage + 1) * dp)
-    return y
-
-
-def test_pipeline_forward_checker(capsys):
-    ch11.check_pipeline_forward(pipeline_forward)
-    ch11.check_pipeline_forward(pipeline_forward_batched)
-    assert capsys.readouterr().out.count("✅") == 2
-    # A hang, or (when the peer that never answers has already finished) a wait that ended early.
-    with pytest.raises(CheckFailed, match=r"world_size=4.*; stage s of replica d is rank "
-                                          r"s\*dp \+ d, so the next stage of the same replica is dp "
-                                          r"ranks away, not one"):
-        ch11.check_pipeline_forward(pipeline_forward_next_rank)
-    with pytest.raises(CheckFailed, match=r"pp=2 stages x dp=2 replicas: rank 1 sent 16 bytes to "
-                                          r"rank 2; stage 0 of replica 1 only sends to rank 3"):
-        ch11.check_pipeline_forward(pipeline_forward_relay)
-    with pytest.raises(CheckFailed, match="course's own _reference_pipeline_forward"):
-        ch11.check_pipeline_forward(ch11._reference_pipeline_forward)
-
-
-def sync_sp(block, group):
-    for ln in (block.ln1, block.ln2):
-        for p in ln.parameters():
-            dist.all_reduce(p.grad, group=group)
-
-
-def sync_sp_flat(block, group):
-    # Differently written: one flat buffer, an imported all_reduce, ReduceOp.SUM.
+def sync_grads_flat(block, tp_group, dp_group):
+    # Differently written: one flat buffer per step, the dp mean with ReduceOp.AVG.
     from torch.distributed import ReduceOp, all_reduce
-    grads = [p.grad for ln in (block.ln1, block.ln2) for p in ln.parameters()]
+    ln = [p.grad for m in (block.ln1, block.ln2) for p in m.parameters()]
+    flat = torch.cat([g.flatten() for g in ln])
+    all_reduce(flat, op=ReduceOp.SUM, group=tp_group)
+    for g, part in zip(ln, flat.split([g.numel() for g in ln])):
+        g.copy_(part.view_as(g))
+    grads = [p.grad for p in block.parameters()]
     flat = torch.cat([g.flatten() for g in grads])
-    all_reduce(flat, op=ReduceOp.SUM, group=group)
+    all_reduce(flat, op=ReduceOp.AVG, group=dp_group)
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
 
 
-def sync_everything_averaged(block, group):
-    # The data-parallel habit: average every gradient, tensor-parallel shards included.
-    for p in block.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
+def sync_grads_tp_only(block, tp_group, dp_group):
+    for m in (block.ln1, block.ln2):
+        for p in m.parameters():
+            dist.all_reduce(p.grad, group=tp_group)
 
 
-def sync_everything_summed(block, group):
-    for p in block.parameters():
-        dist.all_reduce(p.grad, group=group)
-
-
-def sync_sp_world(block, group):
-    for ln in (block.ln1, block.ln2):
-        for p in ln.parameters():
+def sync_grads_world(block, tp_group, dp_group):
+    for m in (block.ln1, block.ln2):
+        for p in m.parameters():
             dist.all_reduce(p.grad)
 
 
+def sync_grads_cheat(block, tp_group, dp_group):
+    from distlab.models import Block
+    ch11._seeded_block(Block)
+
+
 def test_sequence_parallel_grads_checker(capsys):
-    ch11.check_sequence_parallel_grads(sync_sp)
-    ch11.check_sequence_parallel_grads(sync_sp_flat)
-    assert capsys.readouterr().out.count("✅") == 2
-    with pytest.raises(CheckFailed, match=r"tp=2 \(inside 4 ranks: dp=2\): rank 0's ln1.weight "
-                                          r"gradient is 0.\d+ times the dense one's norm: each "
-                                          r"rank's LayerNorm saw only its 1/2 of the sequence"):
-        ch11.check_sequence_parallel_grads(lambda block, group: None)
-    with pytest.raises(CheckFailed, match=r"ln1.weight gradient is 1/2 of the dense one: .*summed, "
-                                          r"not averaged"):
-        ch11.check_sequence_parallel_grads(sync_everything_averaged)
-    with pytest.raises(CheckFailed, match=r"attn.qkv.weight gradient is wrong: it belongs to a "
-                                          r"tensor-parallel shard"):
-        ch11.check_sequence_parallel_grads(sync_everything_summed)
-    with pytest.raises(CheckFailed, match=r"rank 0's all_reduce ran over ranks \[0, 1, 2, 3\]; a "
-                                          r"LayerNorm's gradient is split over the sequence shards "
-                                          r"of ONE tp group, ranks \[0, 1\]"):
-        ch11.check_sequence_parallel_grads(sync_sp_world)
-    with pytest.raises(CheckFailed, match="course's own _reference_sp_sync"):
-        ch11.check_sequence_parallel_grads(ch11._reference_sp_sync)
+    ch11.check_sequence_parallel_grads(sync_grads_flat)
+    assert capsys.readouterr().out.count("✅") == 1
+    with pytest.raises(CheckFailed, match=r"tp=2 x dp=2: rank 0's ln1.weight gradient is its own "
+                                          r"replica's only: average every gradient over the dp"):
+        ch11.check_sequence_parallel_grads(sync_grads_tp_only)
+    with pytest.raises(CheckFailed, match=r"rank 0's all_reduce ran over ranks \[0, 1, 2, 3\]"):
+        ch11.check_sequence_parallel_grads(sync_grads_world)
+    with pytest.raises(CheckFailed, match="course's own _seeded_block"):
+        ch11.check_sequence_parallel_grads(sync_grads_cheat)
+
+
+def test_unsolved_stubs_are_one_line_not_implemented():
+    def stub(*args):
+        raise NotImplementedError("exercise: replace this line with your code")
+    for check, name in ((ch11.check_loss_report, "stub"), (ch11.check_pipeline_step, "stub")):
+        with pytest.raises(NotImplementedError, match=f"{name} is not written yet"):
+            check(stub)

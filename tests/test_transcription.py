@@ -34,9 +34,6 @@ MIN_TOKENS = 4      # a line with fewer tokens is trivial
 # copies the library, so that the list only shrinks. Workbook 08 may never appear here.
 KNOWN_TRANSCRIPTIONS = {
     # (workbook, exercise)                          cell today: what it retypes
-    ("11_debugging.ipynb", "average_gradients"),     # 10: distlab.debug.average_gradients
-    ("11_debugging.ipynb", "pipeline_forward"),      # 20: checks.ch11._reference_pipeline_forward
-    ("11_debugging.ipynb", "sync_sequence_parallel_grads"),  # 23: checks.ch11._reference_sp_sync
 }
 
 

@@ -1,13 +1,18 @@
-"""Checkers for workbook 11: each exercise fixes one class of distributed bug.
+"""Checkers for workbook 11: each exercise fixes, or detects, one class of distributed bug.
 
-Every checker runs the learner's fix on real ranks at several world sizes (odd ones too) and
-proves it gives what one process gives; a hang is caught by a short timeout and reported as one
-sentence naming where the ranks were.
+Every checker runs the learner's code on real ranks at two or more world sizes or mesh shapes
+(odd ones too) and proves it gives what one process gives, reads the run's trace to see that the
+right ranks talked and that what travelled is what the answer needs, and refuses the course's own
+detectors and loops (`distlab.debug`) and the checkers' helpers. A hang is caught by a short
+timeout and reported as one sentence naming where the ranks were.
 """
+import os
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from .. import debug
+from .. import debug, models
 from .. import trace as _trace
 from ..launch import RankFailed, RunTimeout
 from . import CheckFailed, compare, forbid, passed, run_learner, sizes_phrase
@@ -15,6 +20,21 @@ from .ch01 import learner_run
 
 WORLD_SIZES = (2, 3)       # even and odd: what a fix must survive; 4 catches nothing 3 misses
 TIMEOUT = 60
+
+
+def _course_code():
+    """The course's answers to this workbook's bugs: the detectors and the hand-written loop."""
+    return (debug.average_gradients, debug.broadcast_parameters, debug.checksums,
+            debug.replicas_out_of_sync, debug.sample_fingerprints, debug.duplicated_samples,
+            debug.gradient_scale, debug.train_data_parallel, debug.reference, debug.problem,
+            debug.contiguous_shard, models.regression_data, models.batches_of, models.make_mlp,
+            models.train_reference)
+
+
+def _refused(exercise, *helpers):
+    """The course's code and this checker's data builders (`helpers`) refused; its
+    answer-building helpers (_expected_*, _*reference*) the framework refuses by default."""
+    return forbid(*_course_code(), *helpers, exercise=exercise)
 
 
 def _run(fn, world_size, name, *args, **kwargs):
@@ -34,245 +54,415 @@ def _run(fn, world_size, name, *args, **kwargs):
                           f"left): every rank must call the same collectives.") from None
 
 
-def _compare_training(got, expected, name, world_size):
-    for rank, result in enumerate(got):
-        compare(result["losses"], expected["losses"],
-                f"{name} with world_size={world_size}: rank {rank}'s loss per step", 1e-10, 1e-9)
-        compare(result["params"], expected["params"],
-                f"{name} with world_size={world_size}: rank {rank}'s parameters after training "
-                f"(parameter tensors in model order)", 1e-10, 1e-9)
+def _traced(fn, world_size, name, *args, rule):
+    return learner_run(fn, world_size, *args, name=name, timeout=TIMEOUT, hang_rule=rule)
 
 
-# ---- exercise 1: a hang -----------------------------------------------------------------------------
+# ---- exercise 1: logging without a hang: the mean loss and the worst rank ---------------------
 
-def _mean_loss_on_ranks(rank, world_size, fn):
-    loss = torch.tensor(float((rank + 1) ** 2), dtype=torch.float64)
-    got = fn(loss.clone(), rank, world_size)
-    return got.item() if isinstance(got, torch.Tensor) else got
+REPORT_CASES = ("every rank's loss different", "a tie for the largest loss")
 
 
-def check_mean_loss(fn):
-    """fn(loss, rank, world_size) -> the mean of every rank's loss, returned on every rank."""
-    for ws in WORLD_SIZES:
-        got = _run(_mean_loss_on_ranks, ws, "mean_loss", fn)
-        expected = sum((r + 1) ** 2 for r in range(ws)) / ws
-        for rank in range(ws):
-            compare(got[rank], expected, f"mean_loss with world_size={ws}, rank {rank}",
-                    1e-12, 1e-12)
-    passed(f"mean_loss returns the mean loss on every rank, on {sizes_phrase(WORLD_SIZES)} ranks, "
-           f"without a hang.")
+def _report_losses(world_size, seed):
+    """Per case, every rank's loss: drawn afresh for each check, so no answer can be typed in."""
+    g = torch.Generator().manual_seed(seed)
+    distinct = (torch.randperm(10 * world_size, generator=g)[:world_size] + 1).double() / 4
+    tie = distinct.clone()
+    top = distinct.max() + 1
+    tie[0] = tie[world_size - 1] = top      # rank 0 and the last share the largest loss
+    return [distinct.tolist(), tie.tolist()]
 
 
-# ---- exercise 2: duplicated data --------------------------------------------------------------------
-
-def _shard_and_train(rank, world_size, fn):
-    _, batches = debug.problem()
-    x, y = batches[0]
-    xs, _ = fn(x, y, rank, world_size)
-    return {"x": xs, "training": debug.train_data_parallel(rank, world_size, shard=fn)}
+def _expected_report(losses):
+    worst = max(losses)
+    return sum(losses) / len(losses), losses.index(worst)
 
 
-def check_my_shard(fn):
-    """fn(x, y, rank, world_size) -> (x, y) of this rank: equal, disjoint parts of the batch."""
-    _, batches = debug.problem()
-    x, _ = batches[0]
-    everyone = set(debug.sample_fingerprints(x))
-    for ws in WORLD_SIZES:
-        got = _run(_shard_and_train, ws, "my_shard", fn)
-        seen = {}
-        for rank, part in enumerate(got):
-            xs = part["x"]
-            if not isinstance(xs, torch.Tensor) or len(xs) != len(x) // ws:
-                size = len(xs) if isinstance(xs, torch.Tensor) else repr(xs)
-                raise CheckFailed(f"my_shard with world_size={ws}: rank {rank} should get "
-                                  f"{len(x) // ws} of the {len(x)} samples, got {size}.")
-            for f in debug.sample_fingerprints(xs):
-                if f not in everyone:
-                    raise CheckFailed(f"my_shard with world_size={ws}: rank {rank} got a sample "
-                                      f"that is not in the global batch.")
-                if f in seen and seen[f] != rank:
-                    raise CheckFailed(f"my_shard with world_size={ws}: ranks {seen[f]} and {rank} "
-                                      f"both got the same sample; each sample belongs to one rank.")
-                seen[f] = rank
-        _compare_training([part["training"] for part in got], debug.reference(),
-                          "training with my_shard", ws)
-    passed(f"my_shard splits every batch into disjoint parts, and training equals one process on "
-           f"{sizes_phrase(WORLD_SIZES)} ranks.")
-
-
-# ---- exercise 3: summed gradients ------------------------------------------------------------------
-
-def _first_update(rank, world_size, fn):
-    model, _ = debug.problem()
-    before = [p.detach().clone() for p in model.parameters()]
-    after = debug.train_data_parallel(rank, world_size, average=fn, steps=1)["params"]
-    return [b - a for a, b in zip(after, before)]
-
-
-def check_average_gradients(fn):
-    """fn(model) -> None: after it, every rank's .grad is the mean of the ranks' gradients."""
-    for ws in WORLD_SIZES:
-        got = _run(debug.train_data_parallel, ws, "average_gradients", average=fn)
-        expected = debug.reference()
-        try:
-            _compare_training(got, expected, "training with average_gradients", ws)
-        except CheckFailed as e:
-            # An SGD update is -lr * gradient: the ratio of updates is the ratio of gradients.
-            ours = _run(_first_update, ws, "average_gradients", fn)[0]
-            model, _ = debug.problem()
-            before = [p.detach().clone() for p in model.parameters()]
-            ref = [b - a for a, b in zip(debug.reference(steps=1)["params"], before)]
-            scale = debug.gradient_scale(ours, ref)
-            raise CheckFailed(f"{e} On the first step the "
-                              f"{debug.explain_gradient_scale(scale, ws)}") from None
-    passed(f"average_gradients makes data-parallel training equal one process on "
-           f"{sizes_phrase(WORLD_SIZES)} ranks.")
-
-
-# ---- exercise 4: replicas that never were equal ----------------------------------------------------
-
-def _build_rank_seeded(rank):
-    from ..models import make_mlp
-    # The bug on purpose: each rank initialises its replica from its own seed.
-    return make_mlp((16, 32, 4), seed=rank).double()
-
-
-def check_sync_replicas(fn):
-    """fn(model) -> None: afterwards every rank holds rank 0's parameters."""
-    for ws in WORLD_SIZES:
-        got = _run(debug.train_data_parallel, ws, "sync_replicas", build=_build_rank_seeded,
-                   sync=fn, watch=True)
-        for rank, result in enumerate(got):
-            if any(result["out_of_sync"]):
-                raise CheckFailed(f"sync_replicas with world_size={ws}: after it, "
-                                  f"{result['out_of_sync'][0]} parameter tensors still differ "
-                                  f"between ranks (rank {rank} sees it too).")
-        _compare_training(got, debug.reference(), "training after sync_replicas", ws)
-    passed(f"sync_replicas gives every rank rank 0's weights; training equals one process on "
-           f"{sizes_phrase(WORLD_SIZES)} ranks.")
-
-
-# ---- exercise 5: a drift detector ------------------------------------------------------------------
-
-CASES = ("all equal", "one element of the last rank off by 1e-12", "two elements swapped on rank 1")
-
-
-def _detector_cases(rank, world_size, fn):
+def _report_on_ranks(rank, world_size, fn, cases):
     answers = []
-    for case in CASES:
-        model, _ = debug.problem()
-        with torch.no_grad():
-            w = model.net[0].weight
-            if case == CASES[1] and rank == world_size - 1:
-                w[3, 5] += 1e-12
-            if case == CASES[2] and rank == 1:
-                w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()
-        answer = fn(model)
-        if isinstance(answer, torch.Tensor) and answer.numel() == 1:
-            answer = bool(answer.item())
-        answers.append(answer)
+    for losses in cases:
+        loss = torch.tensor(losses[rank], dtype=torch.float64)
+        with _refused("combine the ranks' losses yourself", _report_losses):
+            got = fn(loss, rank, world_size)
+        answers.append(_plain(got))
     return answers
 
 
-def check_replicas_differ(fn):
-    """fn(model) -> True on every rank when any parameter differs anywhere, else False."""
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def check_loss_report(fn, seed=None):
+    """fn(loss, rank, world_size) -> (mean loss, rank with the largest loss), on every rank."""
+    name = getattr(fn, "__name__", "loss_report")
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     for ws in WORLD_SIZES:
-        got = _run(_detector_cases, ws, "replicas_differ", fn)
-        for i, case in enumerate(CASES):
-            expected = case != CASES[0]
+        cases = _report_losses(ws, seed + ws)
+        got = _run(_report_on_ranks, ws, name, fn, cases)
+        for case, losses in zip(REPORT_CASES, cases):
+            mean, worst = _expected_report(losses)
             for rank in range(ws):
-                if got[rank][i] is not expected:
-                    raise CheckFailed(f"replicas_differ with world_size={ws}, case '{case}': "
-                                      f"rank {rank} returned {got[rank][i]!r}, expected {expected}.")
-    passed(f"replicas_differ finds a 1e-12 difference and a swap, and agrees on every rank, on "
-           f"{sizes_phrase(WORLD_SIZES)} ranks.")
+                answer = got[rank][REPORT_CASES.index(case)]
+                where = f"{name} with world_size={ws}, case '{case}', rank {rank}"
+                if not (isinstance(answer, (tuple, list)) and len(answer) == 2):
+                    raise CheckFailed(f"{where}: return a pair (mean loss, worst rank); got "
+                                      f"{answer!r}.")
+                compare(answer[0], mean, f"{where}: the mean loss", 1e-12, 1e-12)
+                if answer[1] != worst:
+                    raise CheckFailed(
+                        f"{where}: worst rank {answer[1]!r}, expected {worst} (the losses were "
+                        f"{[round(v, 4) for v in losses]}; on a tie the lowest rank). Every rank "
+                        f"must reach the same answer from the same collectives.")
+    passed(f"{name} gives every rank the mean loss and the worst rank (ties included), on "
+           f"{sizes_phrase(WORLD_SIZES)} ranks, without a hang.")
 
 
-# ---- exercise 6: the wrong pipeline peer -----------------------------------------------------
+# ---- exercise 2: uneven shards: the gradient of the global mean ---------------------------------
+
+UNEVEN_BATCH, UNEVEN_STEPS = 11, 3      # 11 samples: 6 + 5 on 2 ranks, 4 + 4 + 3 on 3
+
+
+def _uneven_reference():
+    model, batches = debug.problem(steps=UNEVEN_STEPS, global_batch=UNEVEN_BATCH)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for x, y in batches:
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return grads, [p.detach().clone() for p in model.parameters()]
+
+
+def _train_uneven(rank, world_size, fn):
+    model, batches = debug.problem(steps=UNEVEN_STEPS, global_batch=UNEVEN_BATCH)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local, grads = [], []
+    for x, y in batches:
+        xs, ys = x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]
+        opt.zero_grad()
+        F.mse_loss(model(xs), ys).backward()
+        local.append([p.grad.clone() for p in model.parameters()])
+        with _trace.span("fix"), _refused("weigh and average the gradients yourself"):
+            fn(model, len(xs))
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return {"local": local, "grads": grads, "n": len(xs),
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def check_uneven_average(fn):
+    """fn(model, n_local) after backward: every rank's .grad is the global batch's gradient."""
+    name = getattr(fn, "__name__", "average_uneven")
+    want_grads, want_params = _uneven_reference()
+    nbytes = sum(g.numel() * g.element_size() for g in want_grads[0])
+    for ws in WORLD_SIZES:
+        got = _traced(_train_uneven, ws, name, fn, rule="every rank must all-reduce the same "
+                      "tensors in the same order.")
+        sizes = [r["n"] for r in got]
+        for step in range(UNEVEN_STEPS):
+            for rank in range(ws):
+                sent = sum(e["bytes"] for e in got.trace.comm(rank)
+                           if e["label"] == ["fix"] and e["op"] != "recv")
+                if sent < nbytes * (step + 1):
+                    raise CheckFailed(
+                        f"{name} with world_size={ws}: by step {step} rank {rank} had sent "
+                        f"{sent} bytes; its gradients are {nbytes} bytes a step, and every "
+                        f"rank's gradient is part of the answer: all-reduce them.")
+                mine = got[rank]["grads"][step]
+                if all(torch.allclose(m, w, atol=1e-12, rtol=1e-10)
+                       for m, w in zip(mine, want_grads[step])):
+                    continue
+                _explain_uneven(name, ws, step, rank, mine, want_grads[step],
+                                [r["local"][step] for r in got], sizes)
+        for rank in range(ws):
+            compare(got[rank]["params"], want_params, f"{name} with world_size={ws}: rank "
+                    f"{rank}'s parameters after {UNEVEN_STEPS} steps", 1e-10, 1e-9)
+    passed(f"{name} gives every rank the global batch's gradient with shards of "
+           f"{' and '.join('+'.join(map(str, _split(UNEVEN_BATCH, ws))) for ws in WORLD_SIZES)} "
+           f"samples: training equals one process.")
+
+
+def _split(n, ws):
+    return [len(c) for c in torch.arange(n).tensor_split(ws)]
+
+
+def _explain_uneven(name, ws, step, rank, mine, want, local, sizes):
+    head = f"{name} with world_size={ws} (shards of {'+'.join(map(str, sizes))} samples): rank " \
+           f"{rank}'s gradient at step {step}"
+    plain = [sum(parts) / ws for parts in zip(*local)]
+    if all(torch.allclose(m, p, atol=1e-12, rtol=1e-10) for m, p in zip(mine, plain)):
+        raise CheckFailed(f"{head} is the plain mean of the ranks' gradients. Each rank's loss "
+                          f"is the mean over ITS samples, and the shards differ in size: weigh "
+                          f"rank r's gradient by n_r / N (N = {sum(sizes)}) before adding.")
+    scale = debug.gradient_scale(mine, want)
+    raise CheckFailed(f"{head} is {scale:.4g}x the global batch's gradient, not equal to it: the "
+                      f"answer is the sum over ranks of n_r / N times rank r's gradient.")
+
+
+# ---- exercise 3: replicas that never were equal: parameters and buffers, one message a dtype -----
+
+def _bn_model(rank):
+    """A model with buffers (BatchNorm's running statistics, an int64 counter), initialised and
+    run differently on every rank: the bug of seeding each rank with its own rank."""
+    with torch.random.fork_rng():               # the caller's random stream stays its own
+        torch.manual_seed(rank)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8),
+                                    torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(100 + rank)
+    with torch.no_grad():
+        for _ in range(rank + 1):               # running stats and their count differ too
+            model(torch.randn(5, 6, generator=g))
+    return model
+
+
+def _sync_on_ranks(rank, world_size, fn):
+    model = _bn_model(rank)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with _trace.span("fix"), _refused("broadcast rank 0's state yourself"):
+        fn(model)
+    return {"before": before, "after": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def check_sync_state(fn):
+    """fn(model) -> None: afterwards every rank holds rank 0's parameters AND buffers, sent in
+    one broadcast per dtype."""
+    name = getattr(fn, "__name__", "sync_state")
+    for ws in WORLD_SIZES:
+        got = _traced(_sync_on_ranks, ws, name, fn, rule="every rank must call the same "
+                      "broadcasts, in the same order, with tensors of the same size.")
+        want = got[0]["before"]         # rank 0's state before the fix: what everyone must hold
+        dtypes = sorted({str(v.dtype).replace("torch.", "") for v in want.values()})
+        for rank in range(ws):
+            for key, value in want.items():
+                mine = got[rank]["after"].get(key)
+                if mine is None or mine.dtype != value.dtype or not torch.equal(mine, value):
+                    kind = "parameter" if key.endswith(("weight", "bias")) else "buffer"
+                    extra = ("" if kind == "parameter" else " Buffers are state too: DDP "
+                             "broadcasts them with the parameters.")
+                    raise CheckFailed(f"{name} with world_size={ws}: rank {rank}'s {kind} {key} "
+                                      f"is not rank 0's.{extra}")
+            calls = [e for e in got.trace.comm(rank) if e["label"] == ["fix"]]
+            others = sorted({e["op"] for e in calls if e["op"] != "broadcast"})
+            if others:
+                raise CheckFailed(f"{name} with world_size={ws}: rank {rank} called "
+                                  f"{', '.join(others)}; rank 0's state needs only broadcasts.")
+            if len(calls) > len(dtypes):
+                raise CheckFailed(
+                    f"{name} with world_size={ws}: rank {rank} made {len(calls)} broadcasts, one "
+                    f"per tensor; the state holds {len(want)} tensors of {len(dtypes)} dtypes "
+                    f"({', '.join(dtypes)}): flatten the tensors of each dtype into one buffer "
+                    f"and broadcast that ({len(dtypes)} messages, each paying the latency once).")
+    dtypes = sorted({str(v.dtype) for v in _bn_model(0).state_dict().values()})
+    passed(f"{name} gives every rank rank 0's parameters and buffers in {len(dtypes)} broadcasts "
+           f"(one per dtype), on {sizes_phrase(WORLD_SIZES)} ranks.")
+
+
+# ---- exercise 4: which rank's gradients differ, at which step, in which parameter ---------------
+
+# (name, [(step, rank, parameter, how)]): the damage done to one rank's averaged gradient
+DIVERGENCE_CASES = (
+    ("nothing differs", []),
+    ("at step 2, the last rank's net.2.bias[1] off by 1e-12", [(2, -1, "net.2.bias", "nudge")]),
+    ("at step 1, two elements of net.0.weight swapped on rank 1",
+     [(1, 1, "net.0.weight", "swap")]),
+    ("at step 0, rank 1's net.2.weight and the last rank's net.0.bias off",
+     [(0, 1, "net.2.weight", "nudge"), (0, -1, "net.0.bias", "nudge")]),
+)
+
+
+def _expected_divergence(case, world_size):
+    """[(step, expected answer)] up to the first step with damage (after it replicas drift)."""
+    damage = DIVERGENCE_CASES[case][1]
+    if not damage:
+        return [(s, None) for s in range(4)]
+    step = min(d[0] for d in damage)
+    names = [n for n, _ in debug.problem()[0].named_parameters()]
+    hit = [(names.index(p), r % world_size, p) for s, r, p, _ in damage if s == step]
+    _, rank, param = min(hit)
+    return [(s, None) for s in range(step)] + [(step, (rank, param))]
+
+
+def _damage(model, step, rank, world_size, damage):
+    with torch.no_grad():
+        for s, r, pname, how in damage:
+            if s != step or r % world_size != rank:
+                continue
+            g = dict(model.named_parameters())[pname].grad
+            if how == "swap":
+                g[0, 0], g[0, 1] = g[0, 1].clone(), g[0, 0].clone()
+            else:
+                g.view(-1)[min(1, g.numel() - 1)] += 1e-12
+
+
+def _divergence_on_ranks(rank, world_size, fn):
+    answers = []
+    for _, damage in DIVERGENCE_CASES:
+        seen, step = [], [0]
+
+        def average(model):
+            for p in model.parameters():
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            _damage(model, step[0], rank, world_size, damage)
+            named = [(n, p.grad) for n, p in model.named_parameters()]
+            with _trace.span("detector"), _refused("compare the ranks' gradients yourself"):
+                seen.append(_plain(fn(named)))
+            step[0] += 1
+        _train(rank, world_size, average)
+        answers.append(seen)
+    return answers
+
+
+def _train(rank, world_size, average):
+    model, batches = debug.problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches:
+        xs, ys = x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]
+        opt.zero_grad()
+        F.mse_loss(model(xs), ys).backward()
+        average(model)
+        opt.step()
+
+
+def check_first_divergence(fn):
+    """fn([(name, grad), ...]) -> None when every rank holds the same gradients, else (rank,
+    name): the first parameter that differs anywhere, and the lowest rank whose copy of it
+    differs from rank 0's; the same answer on every rank."""
+    name = getattr(fn, "__name__", "first_divergence")
+    model, _ = debug.problem()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for ws in WORLD_SIZES:
+        got = _traced(_divergence_on_ranks, ws, name, fn, rule="every rank must call the "
+                      "detector's collectives, whatever it finds.")
+        for case, (label, _) in enumerate(DIVERGENCE_CASES):
+            for step, expected in _expected_divergence(case, ws):
+                for rank in range(ws):
+                    answer = got[rank][case][step]
+                    answer = tuple(answer) if isinstance(answer, list) else answer
+                    if answer != expected:
+                        raise CheckFailed(
+                            f"{name} with world_size={ws}, case '{label}': at step {step} rank "
+                            f"{rank} returned {answer!r}, expected {expected!r}"
+                            + (" (a plain sum does not see two elements swapped; a sum weighted "
+                               "by position does)" if "swapped" in label and answer is None
+                               else "") + ".")
+        calls = 4 * len(DIVERGENCE_CASES)
+        for rank in range(ws):
+            sent = sum(e["bytes"] for e in got.trace.comm(rank) if e["label"] == ["detector"])
+            if sent / calls > nbytes / 4:
+                raise CheckFailed(
+                    f"{name} with world_size={ws}: rank {rank} sent {sent / calls:.0f} bytes per "
+                    f"call; the gradients themselves are {nbytes}. Send a few numbers per "
+                    f"tensor (checksums), not the tensors.")
+    passed(f"{name} names the rank and the parameter at the step where they first differ (1e-12 "
+           f"and a swap included), the same on every rank, on {sizes_phrase(WORLD_SIZES)} ranks.")
+
+
+# ---- exercise 5: a pipeline on a (dp, pp) mesh: forward and backward ----------------------------
 #
-# Ranks sit on a (pp, dp) mesh, dp varying fastest: rank = stage * dp + replica. The next stage of
-# the same replica is dp ranks away, not one.
+# The mesh order is the other one than chapter 10's: stages vary fastest, rank = replica * pp +
+# stage. Shapes (dp, pp): one with replicas and one with three stages, so that a peer that is
+# right on one shape only (rank ± dp, rank ± 2) fails on the other.
 
-PIPE_SHAPES = ((2, 2), (3, 2))                # (pp, dp): two stages, and a middle stage too
+PIPE_SHAPES = ((2, 2), (1, 3))
+PIPE_ROWS, PIPE_WIDTH = 2, 4
 
 
-def _stage_fn(stage):
-    """Stage `stage` of the toy pipeline: x -> (stage + 2) * x + 1, easy to follow by hand."""
-    return lambda x: (stage + 2) * x + 1
+def _pipe_stage(stage):
+    """Stage `stage`: the same Linear on every replica (seeded by the stage), float64."""
+    with torch.random.fork_rng():               # the caller's random stream stays its own
+        torch.manual_seed(10 + stage)
+        return torch.nn.Sequential(torch.nn.Linear(PIPE_WIDTH, PIPE_WIDTH),
+                                   torch.nn.Tanh()).double()
 
 
 def _pipe_input(replica):
-    return torch.arange(1.0, 5.0) * (replica + 1)      # replica d starts from (d+1)·[1, 2, 3, 4]
+    g = torch.Generator().manual_seed(20 + replica)
+    return torch.randn(PIPE_ROWS, PIPE_WIDTH, generator=g, dtype=torch.float64)
 
 
 def _pipe_expected(replica, pp):
+    """Each stage's gradients and the loss, in one process: loss = sum of the last output²."""
+    stages = [_pipe_stage(s) for s in range(pp)]
     x = _pipe_input(replica)
-    for stage in range(pp):
-        x = _stage_fn(stage)(x)
-    return x
-
-
-def _reference_pipeline_forward(x, stage_fn, rank, pp, dp):
-    stage = rank // dp
-    if stage > 0:
-        dist.recv(x, src=rank - dp)
-    y = stage_fn(x)
-    if stage < pp - 1:
-        dist.send(y, dst=rank + dp)
-    return y
+    for s in stages:
+        x = s(x)
+    loss = x.pow(2).sum()
+    loss.backward()
+    return loss.item(), [[p.grad.clone() for p in s.parameters()] for s in stages]
 
 
 def _pipeline_on_ranks(rank, world_size, pp, dp, fn):
-    stage, replica = divmod(rank, dp)
-    x = _pipe_input(replica) if stage == 0 else torch.zeros(4)
-    with forbid(_reference_pipeline_forward, exercise="send to the right peers yourself"):
-        y = fn(x, _stage_fn(stage), rank, pp, dp)
-    return y if stage == pp - 1 else None
+    replica, stage = divmod(rank, pp)
+    x = _pipe_input(replica) if stage == 0 else torch.zeros(PIPE_ROWS, PIPE_WIDTH,
+                                                            dtype=torch.float64)
+    module = _pipe_stage(stage)
+    with _refused("send the activations and gradients yourself", _pipe_stage, _pipe_input):
+        loss = fn(x, module, rank, pp, dp)
+    grads = [None if p.grad is None else p.grad.clone() for p in module.parameters()]
+    return {"loss": _plain(loss), "grads": grads}
 
 
-def check_pipeline_forward(fn):
-    """fn(x, stage_fn, rank, pp, dp) -> the last stage's output (ranks on a (pp, dp) mesh)."""
-    name = getattr(fn, "__name__", "pipeline_forward")
-    for pp, dp in PIPE_SHAPES:
-        where = f"with pp={pp} stages x dp={dp} replicas"
-        got = learner_run(_pipeline_on_ranks, pp * dp, pp, dp, fn, name=name,
-                          hang_rule="stage s of replica d is rank s*dp + d, so the next stage "
-                          "of the same replica is dp ranks away, not one.")
-        trace = got.trace
+def check_pipeline_step(fn):
+    """fn(x, stage, rank, pp, dp) -> the loss on the last stage: forward through every stage of
+    this replica, then backward, leaving each stage's gradients in its parameters."""
+    name = getattr(fn, "__name__", "pipeline_step")
+    for dp, pp in PIPE_SHAPES:
+        where = f"with dp={dp} replicas x pp={pp} stages"
+        got = _traced(_pipeline_on_ranks, pp * dp, name, pp, dp, fn,
+                      rule="stage s of replica d is rank d*pp + s: the next stage is one rank "
+                      "on, within the replica; the last stage sends nothing forward and the "
+                      "first nothing back.")
         for rank in range(pp * dp):
-            stage, replica = divmod(rank, dp)
-            for e in trace.comm(rank):
+            replica, stage = divmod(rank, pp)
+            for e in got.trace.comm(rank):
                 if e["op"] not in ("send", "recv"):
-                    continue
-                right = rank + dp if e["op"] == "send" else rank - dp
-                allowed = stage < pp - 1 if e["op"] == "send" else stage > 0
-                if e["peer"] != right or not allowed:
-                    sending = e["op"] == "send"
-                    to, did = ("to", "sent") if sending else ("from", "received")
-                    rule = (f"stage {stage} of replica {replica} only {e['op']}s {to} rank {right}"
-                            if allowed else
-                            f"stage {stage} is the {'last' if sending else 'first'} and "
-                            f"{e['op']}s nothing")
-                    raise CheckFailed(f"{name} {where}: rank {rank} {did} {e['bytes']} bytes {to} "
-                                      f"rank {e['peer']}; {rule} (rank = stage*dp + replica).")
+                    raise CheckFailed(f"{name} {where}: rank {rank} called {e['op']}; a pipeline "
+                                      f"only sends and receives between neighbouring stages.")
+                allowed = {rank + 1} if stage < pp - 1 else set()
+                allowed |= {rank - 1} if stage > 0 else set()
+                if e["peer"] not in allowed:
+                    to = "to" if e["op"] == "send" else "from"
+                    raise CheckFailed(
+                        f"{name} {where}: rank {rank} (replica {replica}, stage {stage}) "
+                        f"{'sent' if e['op'] == 'send' else 'received'} {e['bytes']} bytes "
+                        f"{to} rank {e['peer']}, which is replica {e['peer'] // pp}'s stage "
+                        f"{e['peer'] % pp}; rank = replica*pp + stage, so its neighbours are "
+                        f"{sorted(allowed) or 'none'}.")
+            sends = [e for e in got.trace.comm(rank) if e["op"] == "send"]
+            needed = (stage < pp - 1) + (stage > 0)
+            if len(sends) != needed:
+                raise CheckFailed(
+                    f"{name} {where}: rank {rank} (stage {stage}) sent {len(sends)} messages; it "
+                    f"sends its activation forward{' and' if needed == 2 else ''}"
+                    f"{' its input gradient back' if stage > 0 else ''}: {needed}.")
         for replica in range(dp):
-            rank = (pp - 1) * dp + replica
-            compare(got[rank], _pipe_expected(replica, pp),
-                    f"{name} {where}: the last stage's output of replica {replica} (rank {rank})")
-    passed(f"{name} passes each replica's activations to the next stage of the same replica, on "
-           f"{' and '.join(f'{pp} stages x {dp} replicas' for pp, dp in PIPE_SHAPES)}.")
+            loss, grads = _pipe_expected(replica, pp)
+            last = replica * pp + pp - 1
+            compare(got[last]["loss"], loss, f"{name} {where}: replica {replica}'s loss on its "
+                    f"last stage (rank {last})", 1e-12, 1e-10)
+            for stage in range(pp):
+                rank = replica * pp + stage
+                mine = got[rank]["grads"]
+                if any(g is None for g in mine):
+                    raise CheckFailed(f"{name} {where}: rank {rank} (stage {stage}) has no "
+                                      f"gradient: run backward on every stage, from the gradient "
+                                      f"the next stage sends back.")
+                compare(mine, grads[stage], f"{name} {where}: rank {rank} (replica {replica}, "
+                        f"stage {stage})'s gradients [weight, bias]", 1e-12, 1e-10)
+    passed(f"{name} runs forward and backward through the stages of each replica on "
+           f"{' and '.join(f'dp={dp} x pp={pp}' for dp, pp in PIPE_SHAPES)}: every gradient "
+           f"equals one process's.")
 
 
-# ---- exercise 7: sequence parallel's LayerNorm gradients ---------------------------------------
+# ---- exercise 6: sequence parallel's LayerNorm gradients, on a dp x tp mesh ---------------------
 
-SP_CASES = ((2, 2), (3, 1))                 # (tp, dp): a tp group inside a larger world; odd tp
+SP_CASES = ((2, 2), (3, 1))                 # (tp, dp): replicas of a tp group; an odd tp
 SP_DIMS = dict(d_model=24, n_heads=6, hidden=96, seq=12, batch=2)
-
-
-def _reference_sp_sync(block, group):
-    for ln in (block.ln1, block.ln2):
-        for p in ln.parameters():
-            dist.all_reduce(p.grad, group=group)
 
 
 def _sp_block_without_ln_sync():
@@ -286,77 +476,112 @@ def _sp_block_without_ln_sync():
 
 
 def _sp_groups(rank, tp, dp):
-    groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
-    return groups[rank // tp]
+    """Ranks on a (dp, tp) mesh, tp fastest: rank = replica * tp + t."""
+    tps = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
+    dps = [dist.new_group(list(range(t, tp * dp, tp))) for t in range(tp)]
+    return tps[rank // tp], dps[rank % tp]
+
+
+def _sp_data(replica):
+    g = torch.Generator().manual_seed(5 + replica)
+    dims = SP_DIMS
+    x = torch.randn(dims["batch"], dims["seq"], dims["d_model"], generator=g, dtype=torch.float64)
+    return x, torch.randn(x.shape, generator=g, dtype=torch.float64)
 
 
 def _sp_on_ranks(rank, world_size, tp, dp, fn):
     from ..models import Block
     from ..tensor_parallel import dense_shards, sequence_slice
-    dims = SP_DIMS
-    dense = _seeded_block(Block, dims)
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(dims["batch"], dims["seq"], dims["d_model"], generator=g, dtype=torch.float64)
-    w = torch.randn(x.shape, generator=g, dtype=torch.float64)
-    (dense(x) * w).sum().backward()
-    group = _sp_groups(rank, tp, dp)
-    block = _sp_block_without_ln_sync().from_dense(dense, group, sequence_parallel=True)
-    out = block(sequence_slice(x, group))
-    (out * sequence_slice(w, group)).sum().backward()
-    with _trace.span("fix"), forbid(_reference_sp_sync, exercise="all-reduce the right "
-                                    "gradients yourself"):
-        fn(block, group)
-    expected = dense_shards(block, dense, grads=True)
-    return {name: (p.grad.detach().clone(), expected[name]) for name, p in block.named_parameters()}
+    dense = _seeded_block(Block)
+    mean, own = {}, {}
+    for replica in range(dp):       # the dense gradient of the mean loss over the replicas
+        dense.zero_grad(set_to_none=True)
+        x, w = _sp_data(replica)
+        (dense(x) * w).sum().backward()
+        for n, p in dense.named_parameters():
+            mean[n] = mean.get(n, 0) + p.grad / dp
+            if replica == rank // tp:
+                own[n] = p.grad.clone()
+    tp_group, dp_group = _sp_groups(rank, tp, dp)
+    block = _sp_block_without_ln_sync().from_dense(dense, tp_group, sequence_parallel=True)
+    x, w = _sp_data(rank // tp)
+    out = block(sequence_slice(x, tp_group))
+    (out * sequence_slice(w, tp_group)).sum().backward()
+    with _trace.span("fix"), _refused("sum and average the right gradients yourself",
+                                         _seeded_block, _sp_data):
+        fn(block, tp_group, dp_group)
+    shards = {}
+    for grads in (mean, own):       # what this rank's shard should hold; and its replica's alone
+        for n, p in dense.named_parameters():
+            p.grad = grads[n]
+        shards[id(grads)] = dense_shards(block, dense, grads=True)
+    expected, alone = shards[id(mean)], shards[id(own)]
+    return {n: (p.grad.detach().clone(), expected[n].clone(), alone[n].clone())
+            for n, p in block.named_parameters()}
 
 
-def _seeded_block(Block, dims):
+def _seeded_block(Block):
     torch.manual_seed(0)
-    return Block(dims["d_model"], dims["n_heads"], dims["hidden"]).double()
+    return Block(SP_DIMS["d_model"], SP_DIMS["n_heads"], SP_DIMS["hidden"]).double()
 
 
 def check_sequence_parallel_grads(fn):
-    """fn(block, tp_group) after backward: every gradient of the sequence-parallel block right."""
-    name = getattr(fn, "__name__", "sync_sequence_parallel_grads")
+    """fn(block, tp_group, dp_group) after backward: every gradient of the sequence-parallel block
+    equals the dense block's gradient of the mean loss over the dp replicas (its shard)."""
+    name = getattr(fn, "__name__", "sync_grads")
     for tp, dp in SP_CASES:
-        where = f"with tp={tp}" + (f" (inside {tp * dp} ranks: dp={dp})" if dp > 1 else "")
-        got = learner_run(_sp_on_ranks, tp * dp, tp, dp, fn, name=name,
-                          hang_rule="every rank of the tp group must all-reduce the same "
-                          "gradients in the same order.")
+        where = f"with tp={tp} x dp={dp}"
+        got = _traced(_sp_on_ranks, tp * dp, name, tp, dp, fn,
+                      rule="every rank of a group must all-reduce the same gradients in the "
+                      "same order.")
         for rank in range(tp * dp):
             tp_group = tuple(range(rank // tp * tp, (rank // tp + 1) * tp))
+            dp_group = tuple(range(rank % tp, tp * dp, tp))
             for e in got.trace.comm(rank):
-                if "fix" in (e["label"] or ()) and e["group"] != tp_group:
+                if e["label"] == ["fix"] and e["group"] not in (tp_group, dp_group):
                     raise CheckFailed(
                         f"{name} {where}: rank {rank}'s {e['op']} ran over ranks "
-                        f"{list(e['group'])}; a LayerNorm's gradient is split over the sequence "
-                        f"shards of ONE tp group, ranks {list(tp_group)}: sum it there only.")
-            for pname, (mine, expected) in got[rank].items():
+                        f"{list(e['group'])}; a LayerNorm's partial gradients live in ONE tp "
+                        f"group (ranks {list(tp_group)}), and replicas of a shard in one dp group "
+                        f"(ranks {list(dp_group)}).")
+            for pname, (mine, expected, alone) in got[rank].items():
                 if not torch.allclose(mine, expected, atol=1e-10, rtol=1e-9):
-                    _explain_sp(name, where, rank, pname, mine, expected, tp)
-    passed(f"{name} sums the LayerNorms' gradients over the tp group and leaves the shards alone: "
-           f"every gradient equals the dense block's, {' and '.join(f'tp={t}' for t, _ in SP_CASES)}.")
+                    _explain_sp(name, where, rank, pname, mine, expected, alone, tp, dp)
+    passed(f"{name} sums the LayerNorms' gradients over tp, averages every gradient over dp and "
+           f"leaves the tp shards whole: every gradient equals the dense block's, "
+           f"{' and '.join(f'tp={t} x dp={d}' for t, d in SP_CASES)}.")
 
 
-def _explain_sp(name, where, rank, pname, mine, expected, tp):
+def _close(a, b):
+    return torch.allclose(a, b, atol=1e-10, rtol=1e-9)
+
+
+def _explain_sp(name, where, rank, pname, mine, expected, alone, tp, dp):
     head = f"{name} {where}: rank {rank}'s {pname} gradient"
-    if pname.endswith(("proj.bias", "fc2.bias")):
+    ln = pname.startswith(("ln1.", "ln2."))
+    if dp > 1 and (_close(mine, alone) or (ln and _close(mine * tp, alone))):
+        raise CheckFailed(f"{head} is its own replica's only: average every gradient over the dp "
+                          f"group too (each replica saw different data).")
+    if dp > 1 and _close(mine, expected * dp):
+        raise CheckFailed(f"{head} is {dp}x the dense one: over the dp group average (divide by "
+                          f"{dp}), do not sum.")
+    if not ln:
+        if pname.endswith(("proj.bias", "fc2.bias")):
+            raise CheckFailed(
+                f"{head} is wrong: the row-parallel biases already sum their gradient over the "
+                f"tp group inside backward (sequence parallel's `replicated`); summing again "
+                f"counts it twice. Over tp, sum only the LayerNorm gradients.")
         raise CheckFailed(
-            f"{head} is wrong: the row-parallel biases already sum their gradient over the tp "
-            f"group inside backward (sequence parallel's `replicated`); summing again counts it "
-            f"twice. Sum only the LayerNorm gradients.")
-    if not pname.startswith(("ln1.", "ln2.")):
-        raise CheckFailed(
-            f"{head} is wrong: it belongs to a tensor-parallel shard, and each rank's is the "
-            f"gradient of a different slice of the matrix, already complete; all-reducing (or "
-            f"averaging) shard gradients mixes slices. Sum only the LayerNorm gradients.")
-    if torch.allclose(mine * tp, expected, atol=1e-10, rtol=1e-9):
-        raise CheckFailed(f"{head} is 1/{tp} of the dense one: the ranks' parts must be summed, "
-                          f"not averaged (each saw a different 1/{tp} of the tokens).")
+            f"{head} is wrong: it belongs to a tensor-parallel shard, and each tp rank's is the "
+            f"gradient of a different slice of the matrix, already complete; reducing shard "
+            f"gradients over tp mixes slices. Over tp, sum only the LayerNorm gradients.")
+    if _close(mine * tp, expected):
+        raise CheckFailed(f"{head} is 1/{tp} of the dense one: over tp the ranks' parts must be "
+                          f"summed, not averaged (each saw a different 1/{tp} of the tokens).")
     scale = (mine.norm() / expected.norm()).item()
     if scale > 1:
         raise CheckFailed(f"{head} is {scale:.2g} times the dense one's norm: it was added up "
-                          f"more than once; sum it once, over the tp group.")
-    raise CheckFailed(f"{head} is {scale:.2g} times the dense one's norm: each rank's LayerNorm saw "
-                      f"only its 1/{tp} of the sequence, so its gradient is a partial sum; "
+                          f"more than once; sum it once over tp, then average over dp.")
+    raise CheckFailed(f"{head} is {scale:.2g} times the dense one's norm: each rank's LayerNorm "
+                      f"saw only its 1/{tp} of the sequence, so its gradient is a partial sum; "
                       f"all-reduce (sum) it over the tp group.")
