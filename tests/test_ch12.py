@@ -225,7 +225,8 @@ def test_ring_attention_that_keeps_every_block_is_refused_though_its_messages_ar
 
 
 def test_attention_by_all_gather_is_refused_though_its_numbers_are_right():
-    with pytest.raises(CheckFailed, match="sent 0 messages; the K/V blocks must travel"):
+    with pytest.raises(CheckFailed, match="sent 0 messages per attention; the K/V blocks must "
+                                          "travel"):
         ch12.check_ring_attention(attention_by_gathering)
 
 
