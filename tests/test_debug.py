@@ -246,8 +246,9 @@ def report_cheat(loss, rank, world_size):
 def test_loss_report_checker(capsys):
     ch11.check_loss_report(report_gathered)
     assert capsys.readouterr().out.count("✅") == 1
-    with pytest.raises(CheckFailed, match=r"report_own_guess with world_size=2, case 'every rank's loss "
-                                          r"different', rank \d: worst rank -1, expected \d"):
+    with pytest.raises(CheckFailed, match=r"report_own_guess with world_size=2, case 'every "
+                                          r"rank's loss different', rank \d: worst rank -1, "
+                                          r"expected \d"):
         ch11.check_loss_report(report_own_guess, seed=1)
     with pytest.raises(CheckFailed, match=r"checker's own _expected_report \(distlab/checks/"
                                           r"ch11.py\)"):
@@ -329,10 +330,12 @@ def test_sync_state_checker(capsys):
 def divergence_gathered(named):
     # Differently written: every rank's checksums gathered, compared on every rank.
     ws = dist.get_world_size()
-    sums = torch.stack([torch.stack([g.double().sum(),
-                                     (g.double().flatten() * torch.arange(1.0, g.numel() + 1,
-                                                                          dtype=torch.float64)).sum()])
-                        for _, g in named])
+    rows = []
+    for _, g in named:
+        flat = g.double().flatten()
+        place = torch.arange(1.0, g.numel() + 1, dtype=torch.float64)
+        rows.append(torch.stack([flat.sum(), (flat * place).sum()]))
+    sums = torch.stack(rows)
     everyone = [torch.empty_like(sums) for _ in range(ws)]
     dist.all_gather(everyone, sums)
     for i, (name, _) in enumerate(named):
