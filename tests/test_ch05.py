@@ -18,6 +18,95 @@ def _rejected(check, fn, *words, **kwargs):
     return message
 
 
+# ---- exercise 1: gradients averaged over shards of different sizes, in one all-reduce ----------
+
+def _flat_grads(model):
+    return [p.grad for p in model.parameters()]
+
+
+def _copy_back(grads, flat):
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def uneven_one_message(model, n_local):
+    grads = _flat_grads(model)
+    flat = torch.cat([g.reshape(-1) * n_local for g in grads] + [grads[0].new_tensor([n_local])])
+    dist.all_reduce(flat)
+    _copy_back(grads, flat[:-1] / flat[-1])
+
+
+def uneven_avg_count_first(model, n_local):
+    """Correct, written differently: imported all_reduce with ReduceOp.AVG, the count first."""
+    from torch.distributed import ReduceOp, all_reduce
+    grads = _flat_grads(model)
+    flat = torch.cat([grads[0].new_tensor([n_local])] + [g.reshape(-1) * n_local for g in grads])
+    all_reduce(flat, op=ReduceOp.AVG)            # both sums divided by N: the ratio is the same
+    _copy_back(grads, flat[1:] / flat[0])
+
+
+def uneven_equal_weights(model, n_local):
+    """Wrong: the chapter's plain average, in one message."""
+    grads = _flat_grads(model)
+    flat = torch.cat([g.reshape(-1) for g in grads]) / dist.get_world_size()
+    dist.all_reduce(flat)
+    _copy_back(grads, flat)
+
+
+def uneven_two_messages(model, n_local):
+    """Wrong structure: right numbers, but the count and the gradients in two all-reduces."""
+    grads = _flat_grads(model)
+    count = grads[0].new_tensor([n_local])
+    dist.all_reduce(count)
+    flat = torch.cat([g.reshape(-1) for g in grads]) * n_local
+    dist.all_reduce(flat)
+    _copy_back(grads, flat / count)
+
+
+def uneven_decoy(model, n_local):
+    """A cheat: the global gradient rebuilt on every rank from the same seeded data and model
+    (the checker's recipe, retyped), and one all-reduce of zeros of the right size as a decoy."""
+    import torch.nn.functional as F
+    from distlab import models
+    x, y = models.regression_data(n=24, seed=5)
+    clone = models.make_mlp(sizes=(16, 24, 20, 4), seed=3).double()
+    clone.load_state_dict(model.state_dict())
+    step = uneven_decoy.step = getattr(uneven_decoy, "step", -1) + 1
+    xb, yb = x.double()[12 * step:12 * step + 12], y.double()[12 * step:12 * step + 12]
+    F.mse_loss(clone(xb), yb).backward()
+    grads = _flat_grads(model)
+    dist.all_reduce(torch.zeros(sum(g.numel() for g in grads) + 1, dtype=torch.float64))
+    for g, c in zip(grads, clone.parameters()):
+        g.copy_(c.grad)
+
+
+def uneven_by_chapter_11(model, n_local):
+    from distlab.debug import average_gradients
+    average_gradients(model)
+
+
+def test_uneven_average_accepts_one_flat_message(capsys):
+    ch05.check_uneven_average(uneven_one_message, world_sizes=(3,))
+    assert "✅" in capsys.readouterr().out
+
+
+def test_uneven_average_accepts_avg_with_the_count_first(capsys):
+    ch05.check_uneven_average(uneven_avg_count_first, world_sizes=(2,))
+    assert "✅" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn, words", [
+    (uneven_equal_weights, ("each rank weighted the same", "weight each rank's gradient")),
+    (uneven_two_messages, ("made 2 all_reduce calls", "one flat tensor")),
+    (uneven_decoy, ("does not hold the gradient of", "decoy")),
+    (uneven_by_chapter_11, ("average_gradients", "the exercise is to")),
+])
+def test_uneven_average_rejects(fn, words):
+    _rejected(ch05.check_uneven_average, fn, *words, world_sizes=(2,))
+
+
 # ---- exercise 1: average_gradients ---------------------------------------------------------------
 
 def average_with_imported_avg(model):
@@ -29,12 +118,6 @@ def average_with_imported_avg(model):
 def average_summed(model):
     for p in model.parameters():
         dist.all_reduce(p.grad)
-
-
-def average_slightly_off(model):
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size() + 1e-6
 
 
 def average_by_the_course(model):
@@ -49,8 +132,6 @@ def test_average_gradients_accepts_imported_avg(capsys):
 
 def test_average_gradients_rejects_sum_tolerance_and_cheat():
     _rejected(ch05.check_average_gradients, average_summed, "SUM", world_sizes=(2,))
-    # A checker with a loose tolerance would let a gradient 1e-6 off through.
-    _rejected(ch05.check_average_gradients, average_slightly_off, "expected", world_sizes=(2,))
     _rejected(ch05.check_average_gradients, average_by_the_course, "the exercise is to",
               world_sizes=(2,))
 
@@ -80,6 +161,13 @@ def buckets_imported_avg(model, buckets, world_size):
         flight[k] = (flat, all_reduce(flat, op=ReduceOp.AVG, async_op=True))
     _hooks(buckets, send)
     return _make_finish(buckets, flight)
+
+
+def _copy_into_grads(params, flat):
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
 
 
 def _make_finish(buckets, flight):
@@ -171,6 +259,40 @@ def buckets_per_tensor(model, buckets, world_size):
     return finish
 
 
+def buckets_never_waited(model, buckets, world_size):
+    """Wrong: every bucket launched asynchronously from its hook, its handle never waited for
+    (finish() copies back whatever the buffer holds by then)."""
+    flight = {}
+
+    def send(k):
+        flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]]) / world_size
+        flight[k] = (flat, dist.all_reduce(flat, async_op=True))
+    _hooks(buckets, send)
+
+    def finish():
+        for k in sorted(flight):
+            flat, _ = flight.pop(k)
+            _copy_into_grads(buckets[k], flat)
+    return finish
+
+
+def buckets_waited_by_future(model, buckets, world_size):
+    """Correct, written differently: each handle waited for through its future."""
+    flight = {}
+
+    def send(k):
+        flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]]) / world_size
+        flight[k] = (flat, dist.all_reduce(flat, async_op=True).get_future())
+    _hooks(buckets, send)
+
+    def finish():
+        for k in sorted(flight):
+            flat, future = flight.pop(k)
+            future.wait()
+            _copy_into_grads(buckets[k], flat)
+    return finish
+
+
 def buckets_slightly_off(model, buckets, world_size):
     """Right structure, gradients 1e-6 off: a loose tolerance would accept it."""
     flight = {}
@@ -216,7 +338,14 @@ def test_bucketed_hooks_accepts_a_bucket_in_flight_waited_for_by_the_next_hook(c
     assert "✅" in capsys.readouterr().out
 
 
+def test_bucketed_hooks_accepts_handles_waited_through_their_futures(capsys):
+    ch05.check_bucketed_hooks(buckets_waited_by_future, world_sizes=(2,))
+    assert "✅" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("fn, words", [
+    (buckets_never_waited, ("started 3 all-reduce(s) with async_op=True but never waited on the "
+                            "handle", "work.wait()")),
     (buckets_at_the_end, ("after backward had finished", "nothing overlaps")),
     (buckets_one_late, ("first gradient of bucket 1", "only 0 bucket(s)")),
     (buckets_per_tensor, ("all_reduce calls", "one per bucket")),
@@ -228,70 +357,93 @@ def test_bucketed_hooks_rejects(fn, words):
     _rejected(ch05.check_bucketed_hooks, fn, *words, world_sizes=(2,))
 
 
-# ---- exercise 3: DistributedSampler with set_epoch ------------------------------------------------
+# ---- exercise 3: an epoch resumed on a different number of ranks ---------------------------------
+# Pure functions of numbers, called in this process: no ranks launched.
 
-def epochs_with_sampler(dataset, epochs):
-    from torch.utils.data import DataLoader
+import math  # noqa: E402
+
+
+def _padded(order, world_size):
+    total = math.ceil(len(order) / world_size) * world_size
+    return (order * math.ceil(total / len(order)))[:total] if order else []
+
+
+def resume_by_permutation(n, seed, epoch, old_world, consumed, world_size, rank):
+    """Correct: the sampler's permutation by hand, the first consumed × old_world entries read."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    read = set(_padded(order, old_world)[:consumed * old_world])
+    return _padded([i for i in order if i not in read], world_size)[rank::world_size]
+
+
+def resume_with_samplers(n, seed, epoch, old_world, consumed, world_size, rank):
+    """Correct, written differently: torch's samplers replay the old ranks, a tensor returned."""
     from torch.utils.data.distributed import DistributedSampler
-    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
-    loader = DataLoader(dataset, batch_size=4, sampler=sampler)
-    out = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        out.append(torch.cat([b for (b,) in loader]))      # tensors, not lists: accepted
-    return out
+    read = set()
+    for r in range(old_world):
+        s = DistributedSampler(range(n), num_replicas=old_world, rank=r, seed=seed)
+        s.set_epoch(epoch)
+        read.update(list(s)[:consumed])
+    s = DistributedSampler(range(n), num_replicas=1, rank=0, seed=seed)
+    s.set_epoch(epoch)
+    rest = [i for i in s if i not in read]
+    return torch.tensor(_padded(rest, world_size)[rank::world_size], dtype=torch.long)
 
 
-def epochs_by_hand(dataset, epochs):
-    """Correct, written differently: one shared permutation per epoch, every N-th element."""
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    return [torch.randperm(len(dataset), generator=torch.Generator().manual_seed(7 + e))
-            [rank::ws].tolist() for e in range(epochs)]
+def resume_from_scratch(n, seed, epoch, old_world, consumed, world_size, rank):
+    """Wrong: a fresh sampler on the new world size, as if nothing had been read."""
+    return resume_by_permutation(n, seed, epoch, old_world, 0, world_size, rank)
 
 
-def epochs_no_set_epoch(dataset, epochs):
-    from torch.utils.data import DataLoader
-    from torch.utils.data.distributed import DistributedSampler
-    loader = DataLoader(dataset, batch_size=2, sampler=DistributedSampler(dataset, seed=0))
-    return [[int(i) for (b,) in loader for i in b] for _ in range(epochs)]
+def resume_ignoring_the_epoch(n, seed, epoch, old_world, consumed, world_size, rank):
+    return resume_by_permutation(n, seed, 0, old_world, consumed, world_size, rank)
 
 
-def epochs_plain_loader(dataset, epochs):
-    from torch.utils.data import DataLoader
-    loader = DataLoader(dataset, batch_size=2, shuffle=True,
-                        generator=torch.Generator().manual_seed(0))
-    return [[int(i) for (b,) in loader for i in b] for _ in range(epochs)]
+def resume_per_old_rank(n, seed, epoch, old_world, consumed, world_size, rank):
+    """Wrong structure: thinks each old rank read a contiguous block of the permutation."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    per = math.ceil(n / old_world)
+    padded = _padded(order, old_world)
+    read = {i for r in range(old_world) for i in padded[r * per:r * per + consumed]}
+    return _padded([i for i in order if i not in read], world_size)[rank::world_size]
 
 
-def epochs_seed_per_rank(dataset, epochs):
-    from torch.utils.data import DataLoader
-    from torch.utils.data.distributed import DistributedSampler
-    sampler = DistributedSampler(dataset, seed=dist.get_rank())
-    out = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        out.append([int(i) for (b,) in DataLoader(dataset, sampler=sampler) for i in b])
-    return out
+def resume_unpadded(n, seed, epoch, old_world, consumed, world_size, rank):
+    """Wrong: what is left, strided but never padded (ranks of different lengths)."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    read = set(_padded(order, old_world)[:consumed * old_world])
+    return [i for i in order if i not in read][rank::world_size]
 
 
-def epochs_by_the_checker(dataset, epochs):
-    return ch05._reference_epochs(dataset, epochs)
+def resume_blocks(n, seed, epoch, old_world, consumed, world_size, rank):
+    """Wrong order: the right samples, but each new rank a contiguous block."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    read = set(_padded(order, old_world)[:consumed * old_world])
+    rest = _padded([i for i in order if i not in read], world_size)
+    per = len(rest) // world_size
+    return rest[rank * per:(rank + 1) * per]
 
 
-@pytest.mark.parametrize("fn", [epochs_with_sampler, epochs_by_hand])
-def test_epoch_indices_accepts(fn, capsys):
-    ch05.check_epoch_indices(fn, world_sizes=(3,))
+def resume_by_the_checker(n, seed, epoch, old_world, consumed, world_size, rank):
+    from distlab.checks.ch05 import sampling
+    return sampling._resumed(n, seed, epoch, old_world, consumed, world_size)[rank]
+
+
+@pytest.mark.parametrize("fn", [resume_by_permutation, resume_with_samplers])
+def test_resume_indices_accepts(fn, capsys):
+    ch05.check_resume_indices(fn)
     assert "✅" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fn, words", [
-    (epochs_no_set_epoch, ("epoch 1 repeats epoch 0", "set_epoch")),
-    (epochs_plain_loader, ("read all 12 samples", "DistributedSampler")),
-    (epochs_seed_per_rank, ("was read by ranks", "same seed")),
-    (epochs_by_the_checker, ("_reference_epochs", "the exercise is to")),
+    (resume_from_scratch, ("restarted the epoch from its beginning", "read twice")),
+    (resume_ignoring_the_epoch, ("epoch 0's", "seed plus the epoch")),
+    (resume_per_old_rank, ("had already read", "first 1 × 4 samples")),
+    (resume_unpadded, ("rank 2 reads 0 samples", "pad by repeating")),
+    (resume_blocks, ("the epoch's order gives it", "positions r, r + 3, r + 6")),
+    (resume_by_the_checker, ("_resumed", "the exercise is to")),
 ])
-def test_epoch_indices_rejects(fn, words):
-    _rejected(ch05.check_epoch_indices, fn, *words, world_sizes=(3,))
+def test_resume_indices_rejects(fn, words):
+    _rejected(ch05.check_resume_indices, fn, *words)
 
 
 # ---- exercise 4: global batch and learning rate ---------------------------------------------------
@@ -364,6 +516,45 @@ def scaled_whole_batch_everywhere(model, x, y, per_rank, base_batch, base_lr, st
         opt.step()
 
 
+def scaled_every_slice_loss_reduced(model, x, y, per_rank, base_batch, base_lr, steps):
+    """Wrong structure (issue 29): every rank runs every rank's slice, one forward of
+    per_rank_batch at a time, and only the loss is all-reduced."""
+    import torch.nn.functional as F
+    ws = dist.get_world_size()
+    glob = per_rank * ws
+    opt = torch.optim.SGD(model.parameters(), lr=base_lr * glob / base_batch)
+    for s in range(steps):
+        opt.zero_grad()
+        losses = [F.mse_loss(model(x[s * glob + r * per_rank:s * glob + (r + 1) * per_rank]),
+                             y[s * glob + r * per_rank:s * glob + (r + 1) * per_rank])
+                  for r in range(ws)]
+        loss = sum(losses) / ws
+        loss.backward()
+        dist.all_reduce(loss.detach().clone())
+        opt.step()
+
+
+def scaled_decoy(model, x, y, per_rank, base_batch, base_lr, steps):
+    """A cheat: the global batch's gradient from a copy the checker does not watch, and an
+    all-reduce of zeros of the gradients' size as a decoy."""
+    import copy
+    import torch.nn.functional as F
+    from distlab import models
+    glob = per_rank * dist.get_world_size()
+    opt = torch.optim.SGD(model.parameters(), lr=base_lr * glob / base_batch)
+    for s in range(steps):
+        shadow = models.make_mlp(sizes=(16, 24, 20, 4)).double()
+        shadow.load_state_dict(copy.deepcopy(model.state_dict()))
+        F.mse_loss(shadow(x[s * glob:(s + 1) * glob]), y[s * glob:(s + 1) * glob]).backward()
+        opt.zero_grad()
+        F.mse_loss(model(x[:per_rank]), y[:per_rank]).backward()
+        for p, q in zip(model.parameters(), shadow.parameters()):
+            p.grad.copy_(q.grad)
+        dist.all_reduce(torch.zeros(sum(p.numel() for p in model.parameters()),
+                                    dtype=torch.float64))
+        opt.step()
+
+
 def scaled_by_the_course(model, x, y, per_rank, base_batch, base_lr, steps):
     from distlab.data_parallel import average_gradients
     _scaled_loop(model, x, y, per_rank, base_batch, base_lr, steps, _linear,
@@ -380,6 +571,9 @@ def test_scaled_training_accepts(fn, capsys):
     (scaled_lr_unchanged, ("used lr 0.05", "linear scaling gives lr 0.1")),
     (scaled_summed, ("SUM", "divide by the world size")),
     (scaled_whole_batch_everywhere, ("ran forward on 12 samples", "per_rank_batch=4")),
+    (scaled_every_slice_loss_reduced, ("ran forward on 12 samples (4 + 4 + 4)",
+                                       "its own slice")),
+    (scaled_decoy, ("does not hold the gradient of", "of zeros")),
     (scaled_by_the_course, ("average_gradients", "the exercise is to")),
 ])
 def test_scaled_training_rejects(fn, words):
@@ -482,6 +676,16 @@ class DDPCourse(nn.Module):
         return self.inner.no_sync()
 
 
+class DDPChapter11(DDPPerParam):
+    """A cheat: distlab.debug's broadcast_parameters copies rank 0's weights."""
+    broadcast = False
+
+    def __init__(self, module):
+        from distlab.debug import broadcast_parameters
+        broadcast_parameters(module)
+        super().__init__(module)
+
+
 class DDPTorch(nn.Module):
     def __init__(self, module):
         super().__init__()
@@ -505,6 +709,7 @@ def test_my_ddp_accepts(cls, capsys):
     (DDPSyncsAlways, ("inside no_sync()", "nothing is sent")),
     (DDPNoBroadcast, ("still differs from rank 0's", "broadcast rank 0's parameters")),
     (DDPCourse, ("BucketedDDP", "the exercise is to")),
+    (DDPChapter11, ("broadcast_parameters", "the exercise is to")),
     (DDPTorch, ("C++", "yourself")),
 ])
 def test_my_ddp_rejects(cls, words):
@@ -521,13 +726,14 @@ from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 
 def _script(model, dataset, epochs, path, sampler_rank="RANK", set_epoch=True, loss="global",
-            prints_on="RANK", saves_on="RANK"):
+            prints_on="RANK", saves_on="RANK", workers=0):
     """The DDP script of workbook 05's last exercise, each bug switchable on its own."""
+    from torch import save                       # not torch.save: the check watches the file
     world_size = int(os.environ["WORLD_SIZE"])
     ddp = DistributedDataParallel(model)
     sampler = DistributedSampler(dataset, num_replicas=world_size,
                                  rank=int(os.environ[sampler_rank]), seed=0)
-    loader = DataLoader(dataset, batch_size=2, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=workers)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for epoch in range(epochs):
         if set_epoch:
@@ -546,7 +752,7 @@ def _script(model, dataset, epochs, path, sampler_rank="RANK", set_epoch=True, l
         if int(os.environ[prints_on]) == 0:
             print(f"epoch {epoch} finished")
     if int(os.environ[saves_on]) == 0:
-        torch.save(ddp.module.state_dict(), path)
+        save(ddp.module.state_dict(), path)
 
 
 def script_fixed(model, dataset, epochs, path):
@@ -555,16 +761,18 @@ def script_fixed(model, dataset, epochs, path):
 
 def script_by_hand(model, dataset, epochs, path):
     """Correct, written differently: no DDP (broadcast, then an all_reduce SUM of one flat
-    gradient), the sampler takes rank and size from the group, batches of 4, tokens counted by
-    an imported all_reduce, the rank asked of the group."""
+    gradient), the sampler takes rank and size from the group, batches of 4 read by two loader
+    workers, tokens counted by an imported all_reduce, the rank asked of the group, the
+    checkpoint written by an imported save through a file handle."""
     from torch.distributed import ReduceOp, all_reduce, broadcast
     for p in model.parameters():
         broadcast(p.detach(), 0)
+    from torch.serialization import save
     sampler = DistributedSampler(dataset, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        for x, y, mask in DataLoader(dataset, batch_size=4, sampler=sampler):
+        for x, y, mask in DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=2):
             opt.zero_grad()
             count = mask.sum().double()
             all_reduce(count, op=ReduceOp.SUM)
@@ -577,11 +785,13 @@ def script_by_hand(model, dataset, epochs, path):
             opt.step()
     if dist.get_rank() == 0:
         print("done")
-        torch.save(model.state_dict(), path)
+        with open(path, "wb") as f:              # through a file handle, imported save
+            save(model.state_dict(), f)
 
 
 def script_local_rank_sampler(model, dataset, epochs, path):
-    _script(model, dataset, epochs, path, sampler_rank="LOCAL_RANK")
+    """Its reads made in two loader workers: the check sees them anyway (the model's input)."""
+    _script(model, dataset, epochs, path, sampler_rank="LOCAL_RANK", workers=2)
 
 
 def script_no_set_epoch(model, dataset, epochs, path):
@@ -825,3 +1035,94 @@ def test_performance_numbers_the_prose_quotes():
     # what the comparisons validate
     assert "share formulas" in text and "critical path" in text
     assert "(measured)" not in text and "the shape is the same" not in text
+
+
+# ---- exercise 7: predict, then run: a real-size DDP step on N ranks -----------------------------
+# The hand-made steps cost nothing; the real-size runs (meta tensors, emulated) are made once per
+# process and shared by every accepted prediction.
+
+def _step_prediction(step_alone, buckets, n, latency, hop, busbw, ring=lambda n: 2 * (n - 1),
+                     factor=lambda n: 2 * (n - 1) / n, overlap=True, one_link=True, copies=True):
+    if n == 1:
+        return step_alone
+    sent_last = max(b["sent"] for b in buckets)
+    link, copied, arrivals = 0.0, sent_last, []
+    for b in buckets:
+        start = max(b["sent"] if overlap else sent_last, link if one_link else 0.0)
+        link = start + latency + ring(n) * hop + factor(n) * b["nbytes"] / busbw
+        arrivals.append(link)
+        copied = max(copied, link) + (b["copy"] if copies else 0.0)
+    if not copies:
+        return step_alone + max(0.0, max(arrivals) - sent_last)
+    return step_alone + max(0.0, copied - sent_last - sum(b["copy"] for b in buckets))
+
+
+def predict_by_two_clocks(step_alone, buckets, world_size, latency, hop, busbw):
+    return _step_prediction(step_alone, buckets, world_size, latency, hop, busbw)
+
+
+def predict_by_recursion(step_alone, buckets, world_size, latency, hop, busbw):
+    """Correct, written differently: arrivals by recursion, the exposed time as a max over
+    buckets of (arrival + the copies still to do) − (the one-rank end)."""
+    n = world_size
+    if n < 2:
+        return step_alone
+
+    def arrival(i):
+        b = buckets[i]
+        wire = latency + 2 * (n - 1) * hop + (2 * n - 2) / n * b["nbytes"] / busbw
+        return max(b["sent"], arrival(i - 1) if i else b["sent"]) + wire
+    end = max(b["sent"] for b in buckets)
+    finish = max(max(arrival(i), end + sum(b["copy"] for b in buckets[:i]))
+                 + sum(b["copy"] for b in buckets[i:]) for i in range(len(buckets)))
+    return step_alone + max(0.0, finish - end - sum(b["copy"] for b in buckets))
+
+
+def predict_without_latency(step_alone, buckets, n, latency, hop, busbw):
+    return _step_prediction(step_alone, buckets, n, 0.0, hop, busbw)
+
+
+def predict_ring_n_minus_1(step_alone, buckets, n, latency, hop, busbw):
+    return _step_prediction(step_alone, buckets, n, latency, hop, busbw, ring=lambda n: n - 1)
+
+
+def predict_bytes_once(step_alone, buckets, n, latency, hop, busbw):
+    return _step_prediction(step_alone, buckets, n, latency, hop, busbw, factor=lambda n: 1.0)
+
+
+def predict_no_overlap(step_alone, buckets, n, latency, hop, busbw):
+    return _step_prediction(step_alone, buckets, n, latency, hop, busbw, overlap=False)
+
+
+def predict_parallel_buckets(step_alone, buckets, n, latency, hop, busbw):
+    return _step_prediction(step_alone, buckets, n, latency, hop, busbw, one_link=False)
+
+
+def predict_without_copies(step_alone, buckets, n, latency, hop, busbw):
+    return _step_prediction(step_alone, buckets, n, latency, hop, busbw, copies=False)
+
+
+def predict_by_the_course(step_alone, buckets, n, latency, hop, busbw):
+    from distlab.data_parallel import predict_step
+    return predict_step({"buckets": buckets}, step_alone, n, None)
+
+
+@pytest.mark.parametrize("fn", [predict_by_two_clocks, predict_by_recursion])
+def test_step_prediction_accepts(fn, capsys):
+    ch05.check_step_prediction(fn)
+    out = capsys.readouterr().out
+    assert "✅" in out and "emulated" in out and "critical path" in out
+
+
+@pytest.mark.parametrize("fn, words", [
+    (predict_without_latency, ("off on the latency term", "base latency")),
+    (predict_ring_n_minus_1, ("off on the per-step term", "2(N-1) steps")),
+    (predict_bytes_once, ("off on the bandwidth term", "2(N-1)/N")),
+    (predict_no_overlap, ("off on the overlap with backward", "you charged the whole "
+                          "all-reduce, but all buckets but the last overlap backward")),
+    (predict_parallel_buckets, ("one bucket at a time on the link", "not side by side")),
+    (predict_without_copies, ("the copies back into p.grad", "hides it")),
+    (predict_by_the_course, ("predict_step", "the exercise is to")),
+])
+def test_step_prediction_rejects(fn, words):
+    _rejected(ch05.check_step_prediction, fn, *words)

@@ -58,6 +58,15 @@ def _names():
 
 
 def _forbidden():
-    """The course's own data parallelism, refused inside the learner's function."""
-    from ... import data_parallel
-    return (data_parallel.BucketedDDP, data_parallel.average_gradients, _reference)
+    """Refused inside the learner's function: the course's own data parallelism (also chapter
+    11's copies in distlab.debug) and the checkers' own helpers, whose data, model and
+    single-process references would let a rank compute the global gradient without
+    communicating."""
+    from ... import data_parallel, debug
+    from . import script, uneven
+    return (data_parallel.BucketedDDP, data_parallel.average_gradients,
+            data_parallel.broadcast_parameters, data_parallel.predict_step,
+            debug.average_gradients, debug.broadcast_parameters, debug.train_data_parallel,
+            debug.reference, _reference, _data, _model,
+            script._token_reference, script._token_data, script._token_model,
+            uneven._shard_gradients)

@@ -8,32 +8,44 @@ from ...data_parallel import shard_batch
 from .. import CheckFailed, passed, run_learner, sizes_phrase
 from ._common import (GLOBAL_BATCH, STEPS, _compare_steps, _data, _forbidden, _model, _names,
                       _reference)
+from ._wire import Handles, Wire, delivered, missing_gradient, never_waited_sentence
 
 
 def check_average_gradients(fn, world_sizes=(2, 3, 4)):
     """fn(model): after backward, replace every p.grad by its mean over the ranks."""
     def learner(rank, world_size):
+        from ... import _tracer
         from .. import forbid
+        events = _tracer._active.events
         model, (x, y) = _model(), _data()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        grads = []
-        for s in range(STEPS):
-            xb = shard_batch(x[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH], rank, world_size)
-            yb = shard_batch(y[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH], rank, world_size)
-            opt.zero_grad()
-            F.mse_loss(model(xb), yb).backward()
-            with forbid(*_forbidden(), exercise="average the gradients yourself"):
-                fn(model)
-            grads.append([p.grad.clone() if p.grad is not None else None
-                          for p in model.parameters()])
-            opt.step()
-        return grads
+        grads, sent, unwaited = [], [], []
+        with Wire() as wire, Handles():
+            for s in range(STEPS):
+                xb = shard_batch(x[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH], rank, world_size)
+                yb = shard_batch(y[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH], rank, world_size)
+                opt.zero_grad()
+                F.mse_loss(model(xb), yb).backward()
+                start, mark = len(events), wire.mark()
+                with forbid(*_forbidden(), exercise="average the gradients yourself"):
+                    fn(model)
+                unwaited.append(len(Handles.unwaited(events[start:])))
+                sent.append(wire.sent[mark:])
+                grads.append([p.grad.clone() if p.grad is not None else None
+                              for p in model.parameters()])
+                opt.step()
+        return grads, sent, unwaited
 
     expected, _ = _reference()
     for ws in world_sizes:
-        got = run_learner(learner, ws, name="average_gradients", timeout=120)
+        got = run_learner(learner, ws, name="average_gradients", timeout=120, trace=True)
         for rank in range(ws):
-            _compare_steps(got[rank], expected, "the gradient", ws, rank, _names())
+            for s, count in enumerate(got[rank][2]):
+                if count:
+                    raise CheckFailed(never_waited_sentence(
+                        f"with world_size={ws}, rank {rank}, step {s}", count))
+            _compare_steps(got[rank][0], expected, "the gradient", ws, rank, _names())
+        _judge_carried([g[1] for g in got], expected, ws)
     passed(f"average_gradients gives every rank the gradient of the whole batch, on "
            f"{sizes_phrase(world_sizes)} ranks, two steps in a row.")
 
@@ -70,7 +82,8 @@ def check_bucketed_hooks(fn, world_sizes=(2, 3)):
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(gradient_ready)
 
-        with forbid(*_forbidden(), exercise="send the buckets from your own hooks"):
+        with forbid(*_forbidden(), exercise="send the buckets from your own hooks"), \
+                Wire() as wire, Handles():
             finish = fn(model, buckets, world_size)
             if not callable(finish):
                 return {"error": f"returned {type(finish).__name__}, not a finish() function"}
@@ -82,11 +95,13 @@ def check_bucketed_hooks(fn, world_sizes=(2, 3)):
                 opt.zero_grad()
                 loss = F.mse_loss(model(xb), yb)
                 step_log.update(start=len(events), first_grad={})
+                mark = wire.mark()
                 loss.backward()
                 in_backward = len(events)
                 finish()
                 mine = events[step_log["start"]:]
                 steps.append(dict(
+                    sent=wire.sent[mark:], unwaited=len(Handles.unwaited(mine)),
                     first_grad=dict(step_log["first_grad"]),
                     ops=[(e["op"], e["bytes"], e["native"], bool(e["async_op"]),
                           i < in_backward - step_log["start"]) for i, e in enumerate(mine)]))
@@ -109,6 +124,7 @@ def check_bucketed_hooks(fn, world_sizes=(2, 3)):
             _compare_steps(r["grads"], expected_grads, "the gradient", ws, rank, _names())
             _compare_steps(r["params"], expected_params, "the parameter after the step", ws, rank,
                            _names())
+        _judge_carried([[st["sent"] for st in g["steps"]] for g in got], expected_grads, ws)
     passed(f"attach_bucket_hooks all-reduces one bucket at a time from inside backward, each "
            f"launched before backward reaches the next bucket, and every rank's gradients equal "
            f"one process's on the whole batch ({sizes_phrase(world_sizes)} ranks).")
@@ -117,6 +133,8 @@ def check_bucketed_hooks(fn, world_sizes=(2, 3)):
 def _judge_step(step, sizes, ws, rank, s):
     where = f"with world_size={ws}, rank {rank}, step {s}"
     ops = step["ops"]
+    if step["unwaited"]:
+        raise CheckFailed(never_waited_sentence(where, step["unwaited"]))
     if any(native for _, _, native, _, _ in ops):
         raise CheckFailed(
             f"{where}: the gradients were all-reduced from C++ (torch's DistributedDataParallel "
@@ -160,3 +178,17 @@ def _judge_step(step, sizes, ws, rank, s):
             raise CheckFailed(
                 f"{where}: bucket {k}'s all_reduce was waited for at once, so backward stopped "
                 f"until it arrived: pass async_op=True and wait for the handles in finish().")
+
+
+def _judge_carried(sent, expected, ws):
+    """sent[rank][step]: the inputs of that step's all-reduces on that rank. Every rank already
+    holds the right gradients; refuse a run whose all-reduces did not carry them (a decoy)."""
+    names = _names()
+    for s in range(STEPS):
+        missing = missing_gradient(delivered([sent[r][s] for r in range(ws)]), expected[s], names)
+        if missing:
+            raise CheckFailed(
+                f"with world_size={ws}, step {s}: every rank ends with the right gradients, but "
+                f"what its all-reduces delivered does not hold the gradient of {missing} (times "
+                f"any factor): the all-reduce must carry the ranks' own gradients — a decoy "
+                f"all-reduce, with the gradient computed some other way, does not count.")

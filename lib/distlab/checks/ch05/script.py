@@ -1,5 +1,6 @@
 """Exercise 6 of workbook 05: find and fix the four production bugs of a DDP script, run on 4
 ranks standing in for 2 nodes, judged from what each rank read, sent, computed and wrote."""
+import contextlib
 import os
 import tempfile
 
@@ -8,6 +9,7 @@ import torch
 from ... import models
 from .. import CheckFailed, compare, passed, run_learner, sizes_phrase
 from ._common import _forbidden
+from ._wire import Wire, delivered, missing_gradient
 from .sampling import _judge_shuffling
 
 
@@ -33,17 +35,74 @@ def _token_model():
 
 
 class Sequences(torch.utils.data.Dataset):
-    """(x, y, mask) of one sequence per item; remembers which items this rank read, in order."""
+    """(x, y, mask) of one sequence per item.
+
+    Which sequences a rank trained on is read off the model's forward input, not recorded here:
+    a DataLoader with num_workers > 0 calls __getitem__ in its worker processes (whatever they
+    record is lost to the rank), and ahead of time (prefetching)."""
 
     def __init__(self, x, y, mask):
-        self.x, self.y, self.mask, self.read = x, y, mask, []
+        self.x, self.y, self.mask = x, y, mask
 
     def __len__(self):
         return len(self.x)
 
     def __getitem__(self, i):
-        self.read.append(int(i))
         return self.x[i], self.y[i], self.mask[i]
+
+
+def _fingerprints(x):
+    """{bytes of sequence i's inputs: i}: every sequence's x is distinct random float64."""
+    return {x[i].numpy().tobytes(): i for i in range(len(x))}
+
+
+class _Writes:
+    """Counts, inside a rank, the checkpoint files written to `path`. Every spelling of torch.save
+    (torch.save, `from torch import save`, torch.serialization.save) opens its file through
+    torch.serialization's two writers, looked up when save runs: those are watched, not the
+    `torch.save` name, which an imported alias bypasses."""
+
+    def __init__(self, path):
+        self.path, self.count = os.path.realpath(path), 0
+
+    def _mine(self, f):
+        name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+        return isinstance(name, (str, os.PathLike)) and os.path.realpath(name) == self.path
+
+    def __enter__(self):
+        ser = torch.serialization
+        self._saved = ser._open_zipfile_writer, ser._open_file_like
+        zipped, file_like = self._saved
+
+        def open_zipfile_writer(f, *args, **kwargs):
+            self.count += self._mine(f)
+            return zipped(f, *args, **kwargs)
+
+        def open_file_like(f, mode, *args, **kwargs):
+            if "w" in mode:
+                self.count += self._mine(f)
+            return file_like(f, mode, *args, **kwargs)
+        ser._open_zipfile_writer, ser._open_file_like = open_zipfile_writer, open_file_like
+        return self
+
+    def __exit__(self, *exc):
+        torch.serialization._open_zipfile_writer, torch.serialization._open_file_like = \
+            self._saved
+
+
+@contextlib.contextmanager
+def _loader_workers_by_fork():
+    """A DataLoader's workers, inside a rank, start by fork (as on a plain Linux job), not by the
+    forkserver the rank itself came from: a forkserver worker imports torch again (tens of
+    seconds here) and under the run's trace it never answers, which a check would otherwise
+    report as the learner's deadlock."""
+    import multiprocessing
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("fork", force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(before, force=True)
 
 
 def _token_reference(step_reads):
@@ -84,7 +143,6 @@ def check_ddp_script(fn):
     ws = NODES * PER_NODE
 
     def learner(rank, world_size, path):
-        import contextlib
         import io
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
@@ -96,42 +154,43 @@ def check_ddp_script(fn):
         model, data = _token_model(), Sequences(*_token_data())
         params = list(model.parameters())
         log = {"steps": [], "saved": 0}
-        seen = {"read": 0, "events": 0}
+        seen = {"read": 0, "events": 0, "sent": 0}
+        which, trained = _fingerprints(data.x), []
+
+        def forward_input(module, args):
+            if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
+                rows = args[0].detach().cpu().double()
+                trained.extend(which.get(r.numpy().tobytes(), -1) for r in rows)
+        model.register_forward_pre_hook(forward_input)
 
         def before(opt, args, kwargs):
             if any(p is q for g in opt.param_groups for p in g["params"] for q in params):
                 log["steps"].append(dict(
-                    read=data.read[seen["read"]:], kind=type(opt).__name__,
+                    read=trained[seen["read"]:], kind=type(opt).__name__,
+                    sent=wire.sent[seen["sent"]:],
                     lr=[g["lr"] for g in opt.param_groups],
                     grads=[p.grad.detach().cpu().clone() if p.grad is not None else None
                            for p in params],
                     reduced=sum(e["bytes"] for e in events[seen["events"]:]
                                 if e["op"] in ("all_reduce", "reduce_scatter"))))
-                seen.update(read=len(data.read), events=len(events))
+                seen.update(read=len(trained), events=len(events), sent=wire.mark())
 
         def after(opt, args, kwargs):
             if log["steps"] and "params" not in log["steps"][-1]:
                 log["steps"][-1]["params"] = [p.detach().cpu().clone() for p in params]
 
-        real_save = torch.save
-
-        def save(*args, **kwargs):
-            log["saved"] += 1
-            return real_save(*args, **kwargs)
-
         printed = io.StringIO()
         handles = [register_optimizer_step_pre_hook(before),
                    register_optimizer_step_post_hook(after)]
-        torch.save = torch.serialization.save = save
+        wire, writes = Wire(), _Writes(path)
         try:
-            with forbid(_token_reference, *_forbidden(), exercise="fix the script yourself"), \
-                    contextlib.redirect_stdout(printed):
+            with forbid(*_forbidden(), exercise="fix the script yourself"), \
+                    contextlib.redirect_stdout(printed), _loader_workers_by_fork(), wire, writes:
                 fn(model, data, SCRIPT_EPOCHS, path)
         finally:
-            torch.save = torch.serialization.save = real_save
             for h in handles:
                 h.remove()
-        log.update(read=list(data.read), printed=printed.getvalue(),
+        log.update(read=list(trained), printed=printed.getvalue(), saved=writes.count,
                    final=[p.detach().cpu().clone() for p in params],
                    grad_bytes=sum(p.numel() * p.element_size() for p in params))
         return log
@@ -237,6 +296,14 @@ def _judge_script_steps(got, ws):
             for n, p, e in zip(names, step["params"], want["params"]):
                 compare(p, e, f"{where}, the parameter {n} after the step", atol=1e-12,
                         rtol=1e-9)
+        missing = missing_gradient(delivered([g["steps"][s]["sent"] for g in got]),
+                                   want["grads"], names)
+        if missing:
+            raise CheckFailed(
+                f"at step {s} every rank has the right gradients, but what the all-reduces "
+                f"delivered does not hold the gradient of {missing} (times any factor): the "
+                f"ranks' own gradients must travel (DDP, or an all-reduce of them) — a decoy "
+                f"all-reduce does not count.")
 
 
 def _same(a, b):
@@ -250,7 +317,7 @@ def _judge_reports(got, path, ws):
         if who == [0]:
             continue
         if not who or 0 not in who:
-            how = " with torch.save" if what == "wrote the checkpoint" else ""
+            how = " to the path it was given" if what == "wrote the checkpoint" else ""
             raise CheckFailed(f"rank 0 never {what}{how}: the script reports from global rank 0.")
         other = who[1]
         if all(r % PER_NODE == 0 for r in who):
@@ -260,8 +327,7 @@ def _judge_reports(got, path, ws):
         raise CheckFailed(
             f"ranks {sizes_phrase(who)} {what}: {why}; only global rank 0 (RANK) should.")
     if not os.path.exists(path):
-        raise CheckFailed(f"rank 0 called torch.save, but not with the path it was given "
-                          f"({path}).")
+        raise CheckFailed(f"rank 0 wrote no checkpoint at the path it was given ({path}).")
     state = torch.load(path, map_location="cpu")
     values = list(state.values()) if isinstance(state, dict) else None
     final = got[0]["final"]

@@ -8,6 +8,7 @@ from ...data_parallel import shard_batch
 from .. import CheckFailed, passed, run_learner, sizes_phrase
 from ._common import (GLOBAL_BATCH, STEPS, _compare_step, _compare_steps, _data, _forbidden,
                       _model, _names, _reference)
+from ._wire import Handles, Wire, delivered, missing_gradient, never_waited_sentence
 
 
 # ---- exercise 4: global batch and learning rate -----------------------------------------------------
@@ -35,22 +36,31 @@ def check_scaled_training(fn, cases=SCALING_CASES):
         model, (x, y) = _model(), _data()
         params = list(model.parameters())
         log = {"batches": [], "steps": [], "ops": []}
+        cut = {"batches": 0, "sent": 0, "events": 0}
         model.register_forward_pre_hook(lambda m, args: log["batches"].append(len(args[0])))
 
         def before(opt, args, kwargs):
             mine = [p for g in opt.param_groups for p in g["params"] if any(p is q for q in params)]
             if mine:
+                # what this rank computed and sent since the step before: every forward counts
+                # (a rank that runs its own slice AND the others' slices computes the global
+                # batch alone), and the values its all-reduces took in
                 log["steps"].append(dict(
                     kind=type(opt).__name__, lr=[g["lr"] for g in opt.param_groups],
-                    grads=[p.grad.clone() if p.grad is not None else None for p in params]))
+                    grads=[p.grad.clone() if p.grad is not None else None for p in params],
+                    forward=log["batches"][cut["batches"]:], sent=wire.sent[cut["sent"]:],
+                    unwaited=len(Handles.unwaited(events[cut["events"]:]))))
+                cut.update(batches=len(log["batches"]), sent=wire.mark(), events=len(events))
 
         def after(opt, args, kwargs):
             if log["steps"] and "params" not in log["steps"][-1]:
                 log["steps"][-1]["params"] = [p.detach().clone() for p in params]
                 log["steps"][-1]["ops"] = [(e["op"], e["native"]) for e in events]
         handles = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+        wire = Wire()
         try:
-            with forbid(*_forbidden(), exercise="average the gradients yourself"):
+            with forbid(*_forbidden(), exercise="average the gradients yourself"), wire, \
+                    Handles():
                 fn(model, x, y, per_rank, base_batch, base_lr, STEPS)
         finally:
             for h in handles:
@@ -82,6 +92,15 @@ def check_scaled_training(fn, cases=SCALING_CASES):
                     f"{where}, rank {rank} never reduced anything over the ranks: each rank must "
                     f"compute on its own slice only and average the gradients with all_reduce.")
             for s, step in enumerate(log["steps"]):
+                if sum(step["forward"]) != per_rank:
+                    raise CheckFailed(
+                        f"{where}, rank {rank} ran forward on {sum(step['forward'])} samples "
+                        f"({' + '.join(map(str, step['forward'])) or 'none'}) for step {s}; each "
+                        f"rank computes only its own slice of per_rank_batch={per_rank} samples "
+                        f"and gets the rest of the global batch's gradient from the all-reduce.")
+                if step["unwaited"]:
+                    raise CheckFailed(never_waited_sentence(f"{where}, rank {rank}, step {s}",
+                                                            step["unwaited"]))
                 _compare_step(step["grads"], expected_grads[s], "the gradient the optimizer used",
                               ws, rank, names, s)
                 if step["kind"] != "SGD":
@@ -94,6 +113,16 @@ def check_scaled_training(fn, cases=SCALING_CASES):
                         f"{base_batch}, so linear scaling gives lr {want_lr:g}.")
             _compare_steps([st["params"] for st in log["steps"]], expected_params,
                            "the parameter after the step", ws, rank, names)
+        for s in range(STEPS):
+            missing = missing_gradient(delivered([g["steps"][s]["sent"] for g in got]),
+                                       expected_grads[s], names)
+            if missing:
+                raise CheckFailed(
+                    f"{where}, step {s}: the weights follow one process, but what the "
+                    f"all-reduces delivered does not hold the gradient of {missing} (times any "
+                    f"factor): the ranks must all-reduce their own gradients — an all-reduce of "
+                    f"the loss or of zeros, with the gradient computed some other way, does not "
+                    f"count.")
     passed(f"train_scaled gives each rank its slice, scales lr with the global batch and follows "
            f"one process on the global batch ({len(cases)} recipes).")
 
@@ -118,13 +147,12 @@ def check_my_ddp(cls, world_sizes=(2, 3)):
         import contextlib
         from ... import _tracer
         from .. import forbid
-        from ...data_parallel import broadcast_parameters
         events = _tracer._active.events
         model = models.make_mlp(sizes=(16, 24, 20, 4), seed=3 + 100 * rank).double()
         (x, y), k = _data(), _micro_plan(world_size)
         log = {"steps": []}
-        with forbid(*_forbidden(), broadcast_parameters,
-                    exercise="write the DDP class yourself"):
+        with forbid(*_forbidden(), exercise="write the DDP class yourself"), \
+                Wire() as wire, Handles():
             start = len(events)
             ddp = cls(model)
             log["construct"] = [(e["op"], e["native"]) for e in events[start:]]
@@ -137,13 +165,16 @@ def check_my_ddp(cls, world_sizes=(2, 3)):
                 micro = []
                 for i, (xm, ym) in enumerate(zip(xb.chunk(k), yb.chunk(k))):
                     inside = i < k - 1
-                    begin = len(events)
+                    begin, mark = len(events), wire.mark()
                     with ddp.no_sync() if inside else contextlib.nullcontext():
                         (F.mse_loss(ddp(xm), ym) / k).backward()
                     micro.append((inside, [(e["op"], e["bytes"], e["native"])
                                            for e in events[begin:]]))
+                    if not inside:
+                        sent = wire.sent[mark:]
+                        unwaited = len(Handles.unwaited(events[begin:]))
                 log["steps"].append(dict(
-                    micro=micro, grads=[p.grad.clone() if p.grad is not None else None
+                    micro=micro, sent=sent, unwaited=unwaited, grads=[p.grad.clone() if p.grad is not None else None
                                         for p in model.parameters()]))
                 opt.step()
                 log["steps"][-1]["params"] = [p.detach().clone() for p in model.parameters()]
@@ -163,6 +194,15 @@ def check_my_ddp(cls, world_sizes=(2, 3)):
                            "the gradient when backward returned", ws, rank, names)
             _compare_steps([s["params"] for s in got[rank]["steps"]], expected_params,
                            "the parameter after the step", ws, rank, names)
+        for s in range(STEPS):
+            missing = missing_gradient(delivered([g["steps"][s]["sent"] for g in got]),
+                                       expected_grads[s], names)
+            if missing:
+                raise CheckFailed(
+                    f"with world_size={ws}, step {s}: the gradients are right, but what the "
+                    f"synced backward's all-reduces delivered does not hold the gradient of "
+                    f"{missing} (times any factor): {name}'s hooks must all-reduce the "
+                    f"accumulated gradients themselves — a decoy all-reduce does not count.")
     passed(f"{name} broadcasts rank 0's weights, sends nothing inside no_sync(), sends every "
            f"gradient once on the synced backward, and equals one process on the whole batch "
            f"({sizes_phrase(world_sizes)} ranks, {_micro_plan(world_sizes[-1])}+ micro-batches).")
@@ -183,6 +223,8 @@ def _judge_my_ddp(log, ws, rank, names, initial, name):
                 f"(each rank started from its own random weights): broadcast rank 0's parameters "
                 f"in __init__.")
     for s, step in enumerate(log["steps"]):
+        if step["unwaited"]:
+            raise CheckFailed(never_waited_sentence(f"{where}, step {s}", step["unwaited"]))
         for i, (inside, ops) in enumerate(step["micro"]):
             if inside and ops:
                 raise CheckFailed(

@@ -1,0 +1,134 @@
+"""Exercise 1 of workbook 05: average the gradients when the ranks hold DIFFERENT numbers of
+samples, in one all-reduce per step.
+
+The chapter's `average_gradients` divides the sum by N, which is the global mean only for equal
+shards. With n_r samples on rank r and each rank's loss the mean over its own samples, the
+global mean's gradient is sum_r n_r g_r / sum_r n_r: each rank's gradient weighted by its count,
+and the total count is not known to any rank. The exercise asks for both in ONE message (the
+count travels in the same flat tensor as the gradients), so the latency is paid once.
+
+Judged per step and rank: exactly one all-reduce; it carried the gradients (their values, not a
+decoy of the right size: `_wire`); every gradient equals one process's on the whole batch
+(float64); an equal-weight mean of the ranks' means is named as such.
+"""
+import torch
+import torch.nn.functional as F
+
+from .. import CheckFailed, passed, run_learner, sizes_phrase
+from ._common import GLOBAL_BATCH, STEPS, _compare_step, _data, _forbidden, _model, _names, \
+    _reference
+from ._wire import Handles, Wire, delivered, missing_gradient, never_waited_sentence
+
+# Rank r holds SHARDS[N][r] consecutive samples of each global batch of 12: unequal on purpose.
+SHARDS = {2: (5, 7), 3: (2, 4, 6), 4: (1, 2, 4, 5)}
+
+
+def _slices(world_size):
+    sizes = SHARDS[world_size]
+    starts = [sum(sizes[:r]) for r in range(world_size)]
+    return [(lo, lo + n) for lo, n in zip(starts, sizes)]
+
+
+def _shard_gradients(world_size):
+    """Per step, the gradient of each rank's own mean loss (the weights after every step are the
+    single-process ones, which every correct answer follows)."""
+    model, (x, y) = _model(), _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    for s in range(STEPS):
+        xb, yb = (t[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH] for t in (x, y))
+        per_rank = []
+        for lo, hi in _slices(world_size):
+            per_rank.append(torch.autograd.grad(F.mse_loss(model(xb[lo:hi]), yb[lo:hi]),
+                                                list(model.parameters())))
+        steps.append(per_rank)
+        opt.zero_grad()
+        F.mse_loss(model(xb), yb).backward()
+        opt.step()
+    return steps
+
+
+def check_uneven_average(fn, world_sizes=(2, 3)):
+    """fn(model, n_local): after backward of this rank's mean loss over its n_local samples,
+    make every p.grad the gradient of the mean over ALL the ranks' samples, with one all_reduce."""
+    def learner(rank, world_size):
+        from ... import _tracer
+        from .. import forbid
+        events = _tracer._active.events
+        model, (x, y) = _model(), _data()
+        lo, hi = _slices(world_size)[rank]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        log = []
+        with Wire() as wire, Handles():
+            for s in range(STEPS):
+                xb, yb = (t[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH][lo:hi] for t in (x, y))
+                opt.zero_grad()
+                F.mse_loss(model(xb), yb).backward()
+                start, mark = len(events), wire.mark()
+                with forbid(*_forbidden(), exercise="average the gradients yourself"):
+                    fn(model, hi - lo)
+                mine = events[start:]
+                log.append(dict(
+                    ops=[(e["op"], e["native"]) for e in mine],
+                    unwaited=len(Handles.unwaited(mine)),
+                    sent=wire.sent[mark:],
+                    grads=[p.grad.clone() if p.grad is not None else None
+                           for p in model.parameters()]))
+                opt.step()
+        return log
+
+    expected, _ = _reference()
+    names = _names()
+    for ws in world_sizes:
+        got = run_learner(learner, ws, name=getattr(fn, "__name__", "average_uneven"),
+                          timeout=60, trace=True)
+        shards = _shard_gradients(ws)
+        counts = SHARDS[ws]
+        for s in range(STEPS):
+            for rank in range(ws):
+                _judge_uneven_step(got[rank][s], expected[s], shards[s], counts, ws, rank, s,
+                                   names)
+            carried = missing_gradient(delivered([got[r][s]["sent"] for r in range(ws)]),
+                                       expected[s], names)
+            if carried:
+                raise CheckFailed(
+                    f"with world_size={ws}, step {s}: every rank ends with the right gradient, "
+                    f"but what the all-reduce delivered does not hold the gradient of {carried} "
+                    f"(times any factor): it must carry the ranks' own gradients — a decoy "
+                    f"all-reduce, with the gradient computed some other way, does not count.")
+    passed(f"{getattr(fn, '__name__', 'average_uneven')} gives every rank the gradient of the "
+           f"whole batch from shards of {' / '.join(map(str, SHARDS[world_sizes[-1]]))} samples, "
+           f"in one all-reduce per step that carries the gradients ({sizes_phrase(world_sizes)} "
+           f"ranks, {STEPS} steps).")
+
+
+def _judge_uneven_step(step, expected, shards, counts, ws, rank, s, names):
+    where = f"with world_size={ws} (shards of {' / '.join(map(str, counts))} samples), rank " \
+            f"{rank}, step {s}"
+    if step["unwaited"]:
+        raise CheckFailed(never_waited_sentence(where, step["unwaited"]))
+    if any(native for _, native in step["ops"]):
+        raise CheckFailed(f"{where}: the gradients were all-reduced from C++ (torch's DDP or "
+                          f"similar); the exercise is to send them yourself.")
+    others = sorted({op for op, _ in step["ops"] if op != "all_reduce"})
+    if others:
+        raise CheckFailed(f"{where} called {', '.join(others)}; one all_reduce is all it needs.")
+    calls = len(step["ops"])
+    if calls == 0:
+        raise CheckFailed(f"{where} sent nothing: the ranks' gradients must be combined with an "
+                          f"all_reduce.")
+    if calls > 1:
+        raise CheckFailed(
+            f"{where} made {calls} all_reduce calls; the exercise asks for one per step: put "
+            f"every gradient AND this rank's sample count into one flat tensor, so the latency "
+            f"is paid once.")
+    got = step["grads"]
+    equal_weight = [sum(g[i] for g in shards) / ws for i in range(len(names))]
+    if all(isinstance(g, torch.Tensor) and torch.allclose(g, e, rtol=1e-9, atol=1e-12)
+           for g, e in zip(got, equal_weight)):
+        raise CheckFailed(
+            f"{where}: every gradient is the plain mean of the ranks' gradients, each rank "
+            f"weighted the same, but rank 0 holds {counts[0]} samples and rank {ws - 1} holds "
+            f"{counts[-1]}: weight each rank's gradient by its sample count and divide by the "
+            f"total count ({sum(counts)}), which only the all-reduce knows.")
+    _compare_step(got, expected, "the gradient", ws, rank, names, s)
