@@ -305,10 +305,14 @@ def check_ring_backward(ring_backward):
 # (a flash kernel's FLOPs at a flat rate, K and V as two messages of α + bytes / B each); the run
 # is that ring attention at full size on meta tensors, whose virtual clocks the check reads.
 
-FLOPS = 400e12                  # the check's GPU: a flash kernel at 400 TFLOP/s in bf16, flat
-# α-β links built by the check, NVLink-like and InfiniBand-like: NVLink 4's and an NDR NIC's
-# achieved bus bandwidth (distlab.hardware's NVLINK4, IB_NDR: 370 and 47 GB/s) and message
-# latencies of their order (5 and 10 µs); fixed here so the check never moves with a preset
+# The check's GPU: a flash kernel at a flat 400 TFLOP/s in bf16, between FlashAttention-2's
+# ≈ 346 and FlashAttention-3's 740 TFLOP/s on an H100 (Shah et al. 2024, FlashAttention-3,
+# abstract; chapter 12 section 6 quotes both). Built here, like the links below, so that the
+# check never moves when a preset is recalibrated.
+FLOPS = 400e12
+# α-β links, NVLink-like and InfiniBand-like: NVLink 4's and one NDR NIC's achieved bus bandwidth
+# and message latency as distlab.hardware's NVLINK4 and IB_NDR carry them today (370 GB/s, 5 µs;
+# 47 GB/s, 10 µs: NCCL's tuning model and nccl-tests, sourced there)
 NVLINK = _cost.Link(5e-6, 370e9, "NVLink-like")
 IB = _cost.Link(10e-6, 47e9, "InfiniBand-like")
 # (heads, kv_heads, head_dim, itemsize, flops, link): multi-head and grouped-query attention,
