@@ -733,3 +733,16 @@ def test_bytes_per_parameter_conventions():
     assert f"Megatron's {megatron} B/param is {(megatron / 16 - 1) * 100:.1f} % more" in prose
     for name, total in got.items():          # the table the chapter prints
         assert f"{name:32} {total:2} B/param" in outputs
+
+
+def test_the_prefetch_figure_says_what_the_prose_says():
+    import re
+    prose, outputs = _notebook("06_memory_and_zero.ipynb")
+    found = re.search(r"prefetch off -> on: forward (\d+\.\d) -> (\d+\.\d) ms, backward "
+                      r"(\d+\.\d) -> (\d+\.\d) ms", outputs)
+    f0, f1, b0, b1 = map(float, found.groups())
+    assert f1 < f0 and b1 < b0 and f0 - f1 > b0 - b1        # "in backward the gain is smaller"
+    assert "In backward the gain is smaller" in prose
+    # the two halves add up to the emulated step the table above prints for h100-ib
+    on = re.search(r"h100-ib   x2: prefetch off (\d+\.\d\d) ms, on (\d+\.\d\d) ms", outputs)
+    assert abs(f0 + b0 - float(on.group(1))) < 0.15 and abs(f1 + b1 - float(on.group(2))) < 0.15
