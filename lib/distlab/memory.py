@@ -155,7 +155,42 @@ PRESETS = {
     "Llama-2 70B": (69e9, 80, 8192, 64),
     "GPT-3 175B": (175e9, 96, 12288, 96),
 }
-# The presets whose activations are a Llama block's (zero_memory.llama_activations: RMSNorm in
+def llama_activations(seq_len, batch, hidden, heads, ffn, bytes_per_value=2, recompute="none"):
+    """{what: bytes} ONE eager Llama block (LlamaBlock) keeps for backward.
+
+    v = bytes_per_value (2 in bf16); nn.RMSNorm computes in float32 whatever the model's dtype
+    (n = max(v, 4) bytes a value), so each of the two norms keeps its input cast to float32, the
+    normalised value before the weight, and one float32 1/rms per token. Then the norms'
+    outputs (the q/k/v and gate/up matmuls' inputs), the q/k/v projection's output (v is a view
+    of it, so its whole storage stays), q and k after the rotary embedding, the attention
+    output (the output projection's input) and flash attention's float32 log-sum-exp per head
+    and query, and SwiGLU's gate and up (one storage), SiLU(gate) and their product (the down
+    projection's input). No dropout: Llama has none. recompute="full" keeps the block's input.
+    Per token and hidden unit in bf16: 32 + 8·ffn/hidden bytes (53.5 for Llama-2 7B) against
+    the GPT block's 34 (memory.activation_breakdown).
+    """
+    recompute = {False: "none", None: "none", True: "full"}.get(recompute, recompute)
+    if recompute not in ("none", "full"):
+        raise ValueError(f"recompute must be 'none' or 'full' for this count; got {recompute!r} "
+                         f"(flash attention already recomputes the s×s scores: 'selective' "
+                         f"changes nothing).")
+    sb, v = seq_len * batch, bytes_per_value
+    sbh, sbf, n = sb * hidden, sb * ffn, max(bytes_per_value, 4)
+    if recompute == "full":
+        return {"block input (the rest is recomputed)": v * sbh}
+    return {
+        "RMSNorm: input and normalised value in float32, 1/rms (two norms)": 2 * (2 * n * sbh
+                                                                                 + 4 * sb),
+        "norm outputs (the q/k/v and gate/up matmul inputs)": 2 * v * sbh,
+        "q/k/v projection output": 3 * v * sbh,
+        "q and k after the rotary embedding": 2 * v * sbh,
+        "attention output": v * sbh,
+        "log-sum-exp (float32)": 4 * heads * sb,
+        "SwiGLU: gate and up, SiLU(gate), their product": 4 * v * sbf,
+    }
+
+
+# The presets whose activations are a Llama block's (llama_activations, below: RMSNorm in
 # float32, rotary embeddings, SwiGLU at this ffn size, no dropout), by their SwiGLU size:
 # Touvron et al. 2023, table 1, and the models' config.json (intermediate_size). The others are
 # GPT blocks (Korthikanti's count, above). Llama-2 70B keeps the GPT block's count: it uses
@@ -173,7 +208,6 @@ def preset_activation_bytes(model, seq_len=2048, micro_batch=1, checkpointing=Fa
     no recomputation the block stores the softmax (a·s²·b values; Llama has no dropout) instead
     of flash's float32 log-sum-exp; "selective" recomputes exactly that part, so with either
     kernel it leaves flash's count; "full" keeps each block's input."""
-    from . import zero_memory       # zero_memory builds on this module: imported when needed
     _, layers, hidden, heads = PRESETS[model]
     if model not in LLAMA_FFN:
         return activation_bytes(seq_len, micro_batch, hidden, layers, heads, checkpointing,
@@ -185,8 +219,8 @@ def preset_activation_bytes(model, seq_len=2048, micro_batch=1, checkpointing=Fa
         raise ValueError(f"recompute must be one of {RECOMPUTATION} (or True/False); "
                          f"got {checkpointing!r}.")
     kept = "full" if recompute == "full" else "none"
-    per_block = sum(zero_memory.llama_activations(seq_len, micro_batch, hidden, heads,
-                                                  LLAMA_FFN[model], recompute=kept).values())
+    per_block = sum(llama_activations(seq_len, micro_batch, hidden, heads,
+                                      LLAMA_FFN[model], recompute=kept).values())
     if attention == "materialized" and recompute == "none":
         per_block += 2 * heads * seq_len * seq_len * micro_batch - 4 * heads * seq_len * micro_batch
     return layers * per_block

@@ -81,39 +81,9 @@ def llama_params(layers, hidden, heads, ffn, vocab):
     return layers * llama_block_params(hidden, ffn) + 2 * vocab * hidden + hidden
 
 
-def llama_activations(seq_len, batch, hidden, heads, ffn, bytes_per_value=2, recompute="none"):
-    """{what: bytes} ONE eager Llama block (LlamaBlock) keeps for backward.
-
-    v = bytes_per_value (2 in bf16); nn.RMSNorm computes in float32 whatever the model's dtype
-    (n = max(v, 4) bytes a value), so each of the two norms keeps its input cast to float32, the
-    normalised value before the weight, and one float32 1/rms per token. Then the norms'
-    outputs (the q/k/v and gate/up matmuls' inputs), the q/k/v projection's output (v is a view
-    of it, so its whole storage stays), q and k after the rotary embedding, the attention
-    output (the output projection's input) and flash attention's float32 log-sum-exp per head
-    and query, and SwiGLU's gate and up (one storage), SiLU(gate) and their product (the down
-    projection's input). No dropout: Llama has none. recompute="full" keeps the block's input.
-    Per token and hidden unit in bf16: 32 + 8·ffn/hidden bytes (53.5 for Llama-2 7B) against
-    the GPT block's 34 (memory.activation_breakdown).
-    """
-    recompute = {False: "none", None: "none", True: "full"}.get(recompute, recompute)
-    if recompute not in ("none", "full"):
-        raise ValueError(f"recompute must be 'none' or 'full' for this count; got {recompute!r} "
-                         f"(flash attention already recomputes the s×s scores: 'selective' "
-                         f"changes nothing).")
-    sb, v = seq_len * batch, bytes_per_value
-    sbh, sbf, n = sb * hidden, sb * ffn, max(bytes_per_value, 4)
-    if recompute == "full":
-        return {"block input (the rest is recomputed)": v * sbh}
-    return {
-        "RMSNorm: input and normalised value in float32, 1/rms (two norms)": 2 * (2 * n * sbh
-                                                                                 + 4 * sb),
-        "norm outputs (the q/k/v and gate/up matmul inputs)": 2 * v * sbh,
-        "q/k/v projection output": 3 * v * sbh,
-        "q and k after the rotary embedding": 2 * v * sbh,
-        "attention output": v * sbh,
-        "log-sum-exp (float32)": 4 * heads * sb,
-        "SwiGLU: gate and up, SiLU(gate), their product": 4 * v * sbf,
-    }
+# llama_activations lives in distlab.memory (the calculator's presets count a Llama block with
+# it, and memory must not import this module); it is this module's too.
+llama_activations = memory.llama_activations
 
 
 # ---- peak memory, moment by moment ------------------------------------------------------------
