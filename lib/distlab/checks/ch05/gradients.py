@@ -103,7 +103,9 @@ def check_bucketed_hooks(fn, world_sizes=(2, 3)):
                 steps.append(dict(
                     sent=wire.sent[mark:], unwaited=len(Handles.unwaited(mine)),
                     first_grad=dict(step_log["first_grad"]),
-                    ops=[(e["op"], e["bytes"], e["native"], bool(e["async_op"]),
+                    # a handle waited for through its future was asynchronous too
+                    ops=[(e["op"], e["bytes"], e["native"],
+                          bool(e["async_op"] or e.get("_waited_another_way")),
                           i < in_backward - step_log["start"]) for i, e in enumerate(mine)]))
                 grads.append([p.grad.clone() for p in model.parameters()])
                 opt.step()
