@@ -191,6 +191,10 @@ def last_words(r):
 
 
 def explain_timeout(ranks, running, stacks, timeout):
+    if not running:   # no rank had reported in yet: a machine too busy to start processes
+        return RunTimeout(f"distlab.run timed out after {timeout:g} s before its ranks had "
+                          f"started (a busy machine starts processes slowly): run it again, or "
+                          f"pass a longer limit: distlab.run(..., timeout=120).", [], stacks)
     lines = [f"distlab.run timed out after {timeout:g} s: "
              f"{ranks_phrase([r.rank for r in running])} still running."]
     waiting = []
@@ -221,6 +225,8 @@ def interrupted_message(stopped):
 
 def ranks_phrase(ranks):
     ranks = list(ranks)
+    if not ranks:
+        return "no rank"
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
