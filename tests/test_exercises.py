@@ -93,7 +93,8 @@ def test_unsolved_exercises_fail_cleanly(path, executed_workbooks):
 # Workbooks reworked for issue 29, and how many exercises each has: every one of them carries two
 # folded hints (a general one, then a more specific one) between its statement and its code.
 HINTED = {"02_collectives.ipynb": 4, "03_collectives_from_scratch.ipynb": 3,
-          "04_device_meshes.ipynb": 3, "06_memory_and_zero.ipynb": 3,
+          "04_device_meshes.ipynb": 3, "05_data_parallel.ipynb": 7,
+          "06_memory_and_zero.ipynb": 3,
           "07_tensor_parallel.ipynb": 3, "09_expert_parallel.ipynb": 3,
           "10_3d_parallelism.ipynb": 4, "11_debugging.ipynb": 6,
           "12_context_parallelism.ipynb": 5}

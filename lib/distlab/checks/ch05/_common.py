@@ -57,16 +57,23 @@ def _names():
     return [n for n, _ in _model().named_parameters()]
 
 
+# The other checker modules' data and reference helpers, added by each as it is imported
+# (ch05/__init__ imports them all before any check runs): they import this module, so it must not
+# import them.
+_HELPERS = []
+
+
+def refuse_too(*helpers):
+    _HELPERS.extend(helpers)
+
+
 def _forbidden():
     """Refused inside the learner's function: the course's own data parallelism (also chapter
     11's copies in distlab.debug) and the checkers' own helpers, whose data, model and
     single-process references would let a rank compute the global gradient without
     communicating."""
     from ... import data_parallel, debug
-    from . import script, uneven
     return (data_parallel.BucketedDDP, data_parallel.average_gradients,
             data_parallel.broadcast_parameters, data_parallel.predict_step,
             debug.average_gradients, debug.broadcast_parameters, debug.train_data_parallel,
-            debug.reference, _reference, _data, _model,
-            script._token_reference, script._token_data, script._token_model,
-            uneven._shard_gradients)
+            debug.reference, _reference, _data, _model, *_HELPERS)

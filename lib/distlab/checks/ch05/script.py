@@ -8,7 +8,7 @@ import torch
 
 from ... import models
 from .. import CheckFailed, compare, passed, run_learner, sizes_phrase
-from ._common import _forbidden
+from ._common import _forbidden, refuse_too
 from ._wire import Wire, delivered, missing_gradient
 from .sampling import _judge_shuffling
 
@@ -336,3 +336,6 @@ def _judge_reports(got, path, ws):
             for v, f in zip(values, final)):
         raise CheckFailed("the checkpoint does not hold the trained weights: save the model's "
                           "state_dict() (ddp.module.state_dict()) after the last epoch.")
+
+
+refuse_too(_token_reference, _token_data, _token_model)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .. import CheckFailed, passed, run_learner, sizes_phrase
 from ._common import GLOBAL_BATCH, STEPS, _compare_step, _data, _forbidden, _model, _names, \
-    _reference
+    _reference, refuse_too
 from ._wire import Handles, Wire, delivered, missing_gradient, never_waited_sentence
 
 # Rank r holds SHARDS[N][r] consecutive samples of each global batch of 12: unequal on purpose.
@@ -132,3 +132,6 @@ def _judge_uneven_step(step, expected, shards, counts, ws, rank, s, names):
             f"{counts[-1]}: weight each rank's gradient by its sample count and divide by the "
             f"total count ({sum(counts)}), which only the all-reduce knows.")
     _compare_step(got, expected, "the gradient", ws, rank, names, s)
+
+
+refuse_too(_shard_gradients)
