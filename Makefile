@@ -27,9 +27,12 @@ lab: $(STAMP)
 # Three pytest workers, one file (one notebook) per worker at a time: most of a test's wall time is
 # ranks waiting on each other, kernels and torchrun starting, so three share 2 cores well
 # (measured on 2 cores: 13.8 min in one worker, 6.7 in three). `make test WORKERS=0` runs them in one.
+# nbval runs the chapters (notebooks/), a kernel each; the solved workbooks run in ONE kernel,
+# judged by nbval's rules (tests/test_solutions.py: 79 CPU-s instead of 168 for thirteen kernels);
+# test-portable runs nbval itself on both.
 WORKERS ?= 3
 test: $(STAMP) $(VENV)/.distlab-grading-installed
-	DISTLAB_NO_PROGRESS=1 $(PY) -m pytest tests notebooks solutions $(NBVAL) --timeout=900 -q \
+	DISTLAB_NO_PROGRESS=1 $(PY) -m pytest tests notebooks $(NBVAL) --timeout=900 -q \
 		$(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
 # nbval again, under another CPU's rounding (tests/perturbed.env: ATen's scalar kernels, MKL's

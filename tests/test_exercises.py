@@ -1,12 +1,11 @@
 """Exercises are generated from solutions, stay in sync, and their stubs fail cleanly."""
+import re
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
-from nbclient.exceptions import CellTimeoutError
 
-from conftest import retry_kernel_start
+from conftest import retry_kernel_start, run_in_one_kernel
 from distlab.exercises import CHECK_CALL, make_exercise, problems, strip_solutions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,23 +51,9 @@ EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 
 @pytest.fixture(scope="module")
 def executed_workbooks():
-    """Every unsolved workbook run once, one after another in ONE kernel, its namespace reset
-    between workbooks (`%reset -f`): a kernel and a launcher start per workbook would cost more
-    than all the cells. Returns {name: its executed cells}."""
-    books = {p.name: nbformat.read(p, as_version=4) for p in EXERCISES}
-    merged = nbformat.v4.new_notebook()
-    spans = {}
-    for name, nb in books.items():
-        merged.cells.append(nbformat.v4.new_code_cell("%reset -f"))
-        spans[name] = (len(merged.cells), len(merged.cells) + len(nb.cells))
-        merged.cells.extend(nb.cells)
-    client = NotebookClient(merged, timeout=120, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(ROOT / "exercises")}})
-    try:
-        retry_kernel_start(client.execute)()
-    except CellTimeoutError as e:  # pragma: no cover - the failure we guard against
-        pytest.fail(f"a cell hung instead of failing cleanly: {e}")
-    return {name: merged.cells[a:b] for name, (a, b) in spans.items()}
+    """Every unsolved workbook run once, one after another in ONE kernel (conftest's
+    run_in_one_kernel): {name: its executed cells}."""
+    return {name: ran for name, (_, ran) in run_in_one_kernel(EXERCISES).items()}
 
 
 @pytest.mark.parametrize("path", EXERCISES, ids=[p.name for p in EXERCISES])
@@ -90,14 +75,23 @@ def test_unsolved_exercises_fail_cleanly(path, executed_workbooks):
     assert checks >= 1, f"{path.name} has no check cell (chNN.check_...(...))"
 
 
-# Workbooks reworked for issue 29, and how many exercises each has: every one of them carries two
-# folded hints (a general one, then a more specific one) between its statement and its code.
+# Every workbook from 02 on, and how many exercises each has: every exercise carries two folded
+# hints (a general one, then a more specific one) between its statement and its code.
 HINTED = {"02_collectives.ipynb": 4, "03_collectives_from_scratch.ipynb": 3,
           "04_device_meshes.ipynb": 3, "05_data_parallel.ipynb": 7,
           "06_memory_and_zero.ipynb": 3,
-          "07_tensor_parallel.ipynb": 3, "09_expert_parallel.ipynb": 3,
+          "07_tensor_parallel.ipynb": 3, "08_pipeline_parallel.ipynb": 3,
+          "09_expert_parallel.ipynb": 3,
           "10_3d_parallelism.ipynb": 4, "11_debugging.ipynb": 6,
           "12_context_parallelism.ipynb": 5}
+
+
+def test_every_workbook_from_02_on_is_hinted():
+    books = {p.name for p in (ROOT / "solutions").glob("*.ipynb") if p.name[:2] >= "02"}
+    assert books == set(HINTED)
+
+
+FOLDED_HINT = re.compile(r"^<details>\s*<summary>(?:<b>)?Hint", re.M)   # one per hint, one or two a cell
 
 
 @pytest.mark.parametrize("name, exercises", HINTED.items(), ids=list(HINTED))
@@ -110,7 +104,7 @@ def test_every_exercise_has_two_folded_hints(name, exercises):
         for c in cells[i + 1:]:
             if c.cell_type == "code":
                 break
-            hints += c.source.startswith("<details><summary><b>Hint")
+            hints += len(FOLDED_HINT.findall(c.source))
         assert hints == 2, f"{name}, {cells[i].source.splitlines()[0]}: {hints} folded hints"
 
 
