@@ -60,7 +60,8 @@ $(VENV)/.distlab-book-installed: pyproject.toml | $(STAMP)
 	$(PY) -m pip install --quiet -e '.[book]'
 	touch $@
 
-# Chapters 04, 06, 08 in JupyterLab in headless Chromium (playwright's, or Debian's chromium).
+# Chapters 04, 06, 08 in JupyterLab in headless Chromium (playwright's, or Debian's chromium), and an
+# exported trace loaded by Perfetto's own UI and trace processor (tests/browser/test_perfetto.py).
 test-browser: $(STAMP) $(VENV)/.distlab-browser-installed
 	DISTLAB_BROWSER_TEST=1 $(PY) -m pytest tests/browser --timeout=1200 -q
 
