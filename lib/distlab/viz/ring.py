@@ -87,11 +87,13 @@ def draw_ring(world_size=4, figsize=None):
 
 
 def plot_measured_vs_model(series, title="all_reduce: measured (dots) and α-β model (lines)"):
-    """series: [{"label", "collective", "world_size", "sizes", "seconds", "link"}], log-log axes."""
+    """series: [{"label", "collective", "world_size", "sizes", "seconds", "link"}], log-log axes.
+    A series' optional "kind" names where its dots come from ("measured", the default, or e.g.
+    "emulated"): an emulated time must never be labelled a measurement."""
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for i, s in enumerate(series):
         color = f"C{i}"
-        ax.loglog(s["sizes"], s["seconds"], "o", color=color, label=f"{s['label']} (measured)")
+        ax.loglog(s["sizes"], s["seconds"], "o", color=color, label=f"{s['label']} ({s.get('kind', 'measured')})")
         lo, hi = min(s["sizes"]), max(s["sizes"])
         xs = [lo * (hi / lo) ** (k / 60) for k in range(61)]
         ax.loglog(xs, [predict(s["collective"], x, s["world_size"], s["link"]) for x in xs], "-",
