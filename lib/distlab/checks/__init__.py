@@ -178,6 +178,21 @@ def call_learner(fn, *args, name=None, **kwargs):
         raise CheckFailed(str(e)) from None
 
 
+def learner_seconds(fn, name, *args, refused=(), shown=None):
+    """Call the learner's time estimate with the course's cost functions `refused`, and return it
+    as a float number of seconds, or say in one sentence why it is not one. `shown` names the
+    call in that sentence (default: the function's name)."""
+    with forbid(*refused, exercise="write the formula yourself"):
+        got = call_learner(fn, *args, name=name)
+    try:
+        value = float(got)
+    except (TypeError, ValueError):
+        raise CheckFailed(f"{name} should return a number of seconds; got {got!r}.") from None
+    if not math.isfinite(value) or value < 0:
+        raise CheckFailed(f"{shown or name} returned {value!r}: a time is a finite number >= 0.")
+    return value
+
+
 def run_learner(fn, world_size, *args, name=None, timeout=30, deadlock_rule=None, **kwargs):
     """distlab.run the learner's function. A stub becomes a one-line NotImplementedError, a call
     of the course's own code a CheckFailed; with `deadlock_rule`, a run that hangs in the

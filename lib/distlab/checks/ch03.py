@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from . import (CheckFailed, call_learner, compare, forbid, passed, run, run_learner,
+from . import (CheckFailed, learner_seconds, compare, forbid, passed, run, run_learner,
                sizes_phrase)
 from .. import collectives as _collectives
 from .. import cost as _cost
@@ -371,16 +371,9 @@ def _unit(term, nbytes, intra, inter):
 
 
 def _estimate(fn, name, *args):
-    with forbid(_cost.predict, _cost.terms, _cost.ring_all_reduce_time, _emulate.comm_seconds,
-                _hierarchical_reference, exercise="write the formula yourself"):
-        got = call_learner(fn, *args, name=name)
-    try:
-        value = float(got)
-    except (TypeError, ValueError):
-        raise CheckFailed(f"{name} should return a number of seconds; got {got!r}.") from None
-    if not math.isfinite(value) or value < 0:
-        raise CheckFailed(f"{name}{args[:3]} returned {value!r}: a time is a finite number >= 0.")
-    return value
+    return learner_seconds(fn, name, *args, shown=f"{name}{args[:3]}",
+                           refused=(_cost.predict, _cost.terms, _cost.ring_all_reduce_time,
+                                    _emulate.comm_seconds, _hierarchical_reference))
 
 
 def _close(a, b):

@@ -38,7 +38,7 @@ from .. import tensor_parallel as _tpm
 from .. import tp_comm as _tp_comm
 from .. import trace as _trace
 from ..launch import RankFailed
-from . import (expect_arguments, CheckFailed, UsedCourseCode, _not_written, call_learner,
+from . import (expect_arguments, learner_seconds, CheckFailed, UsedCourseCode, _not_written,
                compare, forbid, passed, run, sizes_phrase, unsolved_stub)
 
 TOL = dict(atol=1e-9, rtol=1e-9)
@@ -575,17 +575,11 @@ def _emulated_layers():
 
 
 def _estimate(fn, name, *args):
-    with forbid(_cost.predict, _cost.terms, _cost.ring_all_reduce_time, _emulate.comm_seconds,
-                _hardware.Link.seconds, _hardware.GroupLink.seconds, _tpm.tp_block_seconds,
-                _hardware.step_seconds, exercise="write the formula yourself"):
-        got = call_learner(fn, *args, name=name)
-    try:
-        value = float(got)
-    except (TypeError, ValueError):
-        raise CheckFailed(f"{name} should return a number of seconds; got {got!r}.") from None
-    if not math.isfinite(value) or value < 0:
-        raise CheckFailed(f"{name} returned {value!r}: a time is a finite number >= 0.")
-    return value
+    return learner_seconds(fn, name, *args,
+                           refused=(_cost.predict, _cost.terms, _cost.ring_all_reduce_time,
+                                    _emulate.comm_seconds, _hardware.Link.seconds,
+                                    _hardware.GroupLink.seconds, _tpm.tp_block_seconds,
+                                    _hardware.step_seconds))
 
 
 def _dtype_name(dtype):
