@@ -19,21 +19,7 @@ import torch
 
 from ..launch import RankFailed, RunTimeout
 from ..launch import run as _launch_run
-
-
-@functools.lru_cache(maxsize=None)
-def _stub_message():
-    """The message every exercise stub raises: distlab.exercises.STUB, read from its source.
-    Importing distlab.exercises imports nbformat and jsonschema (≈3 CPU-s), and every rank of
-    every check imports this module: the ranks must not pay that."""
-    import ast
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "exercises.py")
-    tree = ast.parse(open(path, encoding="utf-8").read())
-    stub = next(ast.literal_eval(node.value) for node in tree.body
-                if isinstance(node, ast.Assign) and
-                any(getattr(t, "id", None) == "STUB" for t in node.targets))
-    return stub.split('"')[1]
+from .._stub import MESSAGE as _STUB_MESSAGE
 
 
 def run(fn, world_size, *args, **kwargs):
@@ -49,7 +35,7 @@ def run(fn, world_size, *args, **kwargs):
 
 
 def _holds_stub(code):
-    return any(c == _stub_message() or (isinstance(c, types.CodeType) and _holds_stub(c))
+    return any(c == _STUB_MESSAGE or (isinstance(c, types.CodeType) and _holds_stub(c))
                for c in code.co_consts)
 
 
