@@ -42,7 +42,9 @@ html_theme_options = {
     "use_download_button": True,      # each page's .ipynb: the exercises, downloadable
     "use_fullscreen_button": False,
 }
-html_static_path = []
+# docs/_static/distlab.css: code cells wrap at the content width (see the file for why).
+html_static_path = ["_static"]
+html_css_files = ["distlab.css"]
 html_show_sourcelink = False
 
 # Internal links are checked by the build (`make book` runs with -W --keep-going: a missing
