@@ -15,7 +15,7 @@ def figure_png(fig, dpi=100, note=NOTE):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     FigureCanvasAgg(fig)
     if note:
-        fig.text(0.01, 0.0, note, fontsize=7, style="italic", color="#555555",
+        fig.text(0.01, 0.0, note, fontsize=8, style="italic", color="#555555",
                  ha="left", va="top")  # under the figure: bbox_inches="tight" keeps it
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight", pad_inches=0.15)

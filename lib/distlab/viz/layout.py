@@ -29,7 +29,7 @@ def draw_layout(dp=2, pp=2, tp=2, n_layers=4):
             ax.text(t + 0.46, y + 0.58, f"rank {rank}", ha="center", va="center", color="white",
                     fontsize=10, fontweight="bold")
             ax.text(t + 0.46, y + 0.28, f"{extra}\nshard {t + 1}/{tp}", ha="center",
-                    va="center", color="white", fontsize=7.5)
+                    va="center", color="white", fontsize=8)
         ax.set_xlim(-0.05, tp)
         ax.set_ylim(-0.05, pp)
         ax.set_aspect("equal")

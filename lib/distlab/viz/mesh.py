@@ -71,20 +71,21 @@ def draw_mesh(shape, names, color_by, highlight=None, ax=None, ranks_per_machine
     colour_of = group_colours(shape, names, d)
     palette = _palette(len(set(colour_of.values())))
     outlined = set(peers(highlight, shape, d)) if highlight is not None else set()
-    small = 7 if max(rows, cols) > 4 or len(shape) == 3 else 8
+    small = 8   # the smallest label the course draws
     for r in range(n):
         x, y = cell_xy(r, shape)
         ax.add_patch(patches.FancyBboxPatch(
             (x, y), CELL, CELL, boxstyle="round,pad=0,rounding_size=0.12",
             facecolor=palette[colour_of[r]], alpha=0.9 if r in outlined or not outlined else 0.45,
             edgecolor="black", linewidth=3 if r in outlined else 0.8))
-        ax.text(x + CELL / 2, y + CELL * 0.58, str(r), ha="center", va="center",
-                fontsize=13, fontweight="bold" if r == highlight else "normal")
+        ax.text(x + CELL / 2, y + CELL * (0.66 if ranks_per_machine else 0.58), str(r),
+                ha="center", va="center", fontsize=13,
+                fontweight="bold" if r == highlight else "normal")
         label = str(coordinate(r, shape)).replace(" ", "")
-        if ranks_per_machine:
-            label += f" m{r // ranks_per_machine}"
-        ax.text(x + CELL / 2, y + CELL * 0.2, label, ha="center", va="center", fontsize=small,
-                color="#222222")
+        if ranks_per_machine:      # its own line: "(1,0,3) m1" is wider than a square at 8 pt
+            label += f"\nm{r // ranks_per_machine}"
+        ax.text(x + CELL / 2, y + CELL * (0.26 if ranks_per_machine else 0.2), label,
+                ha="center", va="center", fontsize=small, color="#222222", linespacing=1.1)
     _label_axes(ax, shape, names, panels, rows, cols)
     size = shape[d]
     groups = n // size

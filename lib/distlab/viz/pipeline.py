@@ -31,7 +31,7 @@ def gantt(timeline, ax=None, title=None, unit="", label_mbs=True):
                 edgecolor="white", linewidth=0.5)
         if label_mbs and w > span / 60:
             ax.text(x + w / 2, e["stage"], str(e["mb"]), ha="center", va="center",
-                    fontsize=7, color="white")
+                    fontsize=8, color="white")
     ax.set_yticks(stages, [f"stage {s}" for s in stages])
     ax.set_ylim(max(stages) + 0.6, min(stages) - 0.6)
     ax.set_xlim(0, span)

@@ -52,7 +52,7 @@ def rendezvous_sequence(world_size=3, host="rank 0's process", ax=None):
                 arrow(x, xs["store"], y, STORE_COLOR)
             elif i == 1:
                 arrow(x, xs["store"], y, RANK_COLOR)
-                ax.text(x - 0.08, y + 0.03, f"set key_{r}", fontsize=7, ha="right",
+                ax.text(x - 0.08, y + 0.03, f"set key_{r}", fontsize=8, ha="right",
                         va="bottom", color=RANK_COLOR)
             elif i == 2:
                 # Each rank asks at its own time; the store answers all of them at once, when
@@ -61,10 +61,10 @@ def rendezvous_sequence(world_size=3, host="rank 0's process", ax=None):
                 arrow(xs["store"], x, rows[-1] - gap, STORE_COLOR)
             elif i == 3:
                 arrow(xs["store"], x, y, STORE_COLOR)
-                ax.text(x - 0.08, y + 0.03, "all keys", fontsize=7, ha="right", va="bottom",
+                ax.text(x - 0.08, y + 0.03, "all keys", fontsize=8, ha="right", va="bottom",
                         color=STORE_COLOR)
         if i == 2:
-            ax.text(xs["store"] + 0.08, rows[-1] - gap + 0.03, "ok, all here", fontsize=7,
+            ax.text(xs["store"] + 0.08, rows[-1] - gap + 0.03, "ok, all here", fontsize=8,
                     va="bottom", color=STORE_COLOR)
         if i in (4, 5):
             # Every pair of ranks gets its own connection (gloo builds a full mesh).

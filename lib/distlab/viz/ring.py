@@ -74,7 +74,7 @@ def draw_ring(world_size=4, figsize=None):
                         color="white" if len(holders) == n else "black")
             if r in sent:
                 ax.text(x0 + n / 2, y - 0.22, f"sent chunk {sent[r]} → rank {(r + 1) % n}",
-                        ha="center", va="center", fontsize=7, color="dimgray")
+                        ha="center", va="center", fontsize=8, color="dimgray")
     for r in range(n):
         ax.text(r * (n + 1) + n / 2, 1.1, f"rank {r}", ha="center", fontsize=10, weight="bold")
     ax.set_xlim(-4.2, width)
@@ -105,6 +105,6 @@ def plot_measured_vs_model(series, title="all_reduce: measured (dots) and α-β 
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     # Beside the axes, never over a data point.
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig

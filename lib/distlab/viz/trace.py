@@ -9,8 +9,9 @@ COMPUTE, COMM, WAIT = "#4C72B0", "#DD8452", "#C44E52"
 
 
 def timeline(trace, ax=None, title=None, until=None, labels=True):
-    """One row per rank: compute (blue) above, communication in flight (orange) below it, and the
-    time the rank sat blocked waiting for a transfer (red) on top of that.
+    """One row per rank: compute (blue) above, communication in flight (orange) below it, and in
+    red the time the rank sat blocked inside a call: waiting for its peers AND for the call's own
+    transfer (a blocking all-reduce is red for its whole length once every member has arrived).
 
     Times in the unit that suits the run; under emulation the title says it is modeled.
     """
@@ -34,7 +35,7 @@ def timeline(trace, ax=None, title=None, until=None, labels=True):
                         height=0.12, color=WAIT, lw=0)
             if labels and (e["end"] - e["start"]) * scale > 0.06 * end * scale:
                 ax.text((e["start"] + e["end"]) / 2 * scale, y + 0.18, _short(e), ha="center",
-                        va="center", fontsize=6)
+                        va="center", fontsize=8)
     ax.set_yticks(range(trace.world_size), [f"rank {r}" for r in range(trace.world_size)])
     ax.invert_yaxis()
     ax.set_xlim(0, end * scale * 1.02)
@@ -51,7 +52,7 @@ def timeline(trace, ax=None, title=None, until=None, labels=True):
     ax.set_title(heading, fontsize=9)
     ax.legend(handles=[Patch(color=COMPUTE, label="compute"),
                        Patch(color=COMM, label="communication in flight"),
-                       Patch(color=WAIT, label="rank blocked waiting")],
+                       Patch(color=WAIT, label="blocked in a call\n(its own transfer included)")],
               loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     return ax
 
@@ -74,7 +75,7 @@ def matrix(trace, ax=None, title="bytes sent by point-to-point messages"):
     for i in range(n):
         for j in range(n):
             if m[i][j]:
-                ax.text(j, i, _bytes(m[i][j]), ha="center", va="center", fontsize=7,
+                ax.text(j, i, _bytes(m[i][j]), ha="center", va="center", fontsize=8,
                         color="white" if m[i][j] > 0.6 * top else "black")
     ax.set_xticks(range(n), [str(j) for j in range(n)])
     ax.set_yticks(range(n), [str(i) for i in range(n)])
