@@ -1,10 +1,12 @@
-"""dp × cp × tp on one mesh equals one process: losses and every parameter shard after SGD steps."""
+"""dp × pp × cp × tp on one mesh equals one process: losses and every parameter shard after SGD
+steps. One launch per layout: 2×2×2×1 and 1×2×2×2 are the two 8-rank meshes with every kind of
+group (each leaves one dimension at 1; 2×2×2×2 would take 16 ranks), 1×1×3×1 an odd ring."""
 import pytest
 import torch
 
 import distlab
 from distlab import models
-from distlab.parallel4d import ContextParallelGPT, Mesh4D, train_step
+from distlab.parallel4d import Mesh4D, Stage4D, train_step
 
 CONFIG = dict(vocab=32, d_model=16, n_heads=4, n_layers=2, seq_len=12)
 STEPS, LR = 2, 0.1
@@ -29,29 +31,34 @@ def _dense():
     return gpt, losses
 
 
-def _run_4d(rank, world_size, dp, cp, tp):
-    mesh = Mesh4D(dp, cp, tp)
-    model = ContextParallelGPT.from_dense(models.make_gpt(seed=0, **CONFIG).double(), mesh)
+def _run_4d(rank, world_size, dp, pp, cp, tp, n_micro):
+    mesh = Mesh4D(dp, pp, cp, tp)
+    stage = Stage4D.from_dense(models.make_gpt(seed=0, **CONFIG).double(), mesh)
     x, y = _data()
-    losses = [train_step(model, mesh, x, y, LR) for _ in range(STEPS)]
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+    losses = [train_step(stage, mesh, x, y, LR, n_micro) for _ in range(STEPS)]
+    return losses, {stage.dense_name(n): p.detach() for n, p in stage.named_parameters()}
 
 
-@pytest.mark.parametrize("dp,cp,tp", [(1, 3, 1), (1, 2, 2), (2, 2, 2)])
-def test_dp_cp_tp_equals_one_process(dp, cp, tp):
+@pytest.mark.parametrize("dp,pp,cp,tp,n_micro", [(2, 2, 2, 1, 2), (1, 2, 2, 2, 2),
+                                                 (1, 1, 3, 1, 1)])
+def test_dp_pp_cp_tp_equals_one_process(dp, pp, cp, tp, n_micro):
     dense, dense_losses = _dense()
-    results = distlab.run(_run_4d, dp * cp * tp, dp, cp, tp, timeout=120)
+    results = distlab.run(_run_4d, dp * pp * cp * tp, dp, pp, cp, tp, n_micro, timeout=120)
+    held = set()
     for rank, (losses, params) in enumerate(results):
         assert losses == pytest.approx(dense_losses, rel=1e-12)
+        held |= set(params)
         for name, value in params.items():
             full = dense.get_parameter(name).detach()
             # the tp shard of the dense parameter that this rank holds
-            expected = _shard(dense, name, full, tp, rank % tp)
+            expected = _shard(full, name, tp, rank % tp)
             torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
+    assert held == {n for n, _ in dense.named_parameters()}     # the stages hold every layer
+    assert dense_losses[0] != pytest.approx(dense_losses[-1], abs=1e-3)   # training moved
 
 
-def _shard(dense, name, full, tp, t):
+def _shard(full, name, tp, t):
     """Chapter 07's layout: qkv and fc1 split by output rows (qkv per q/k/v), proj and fc2 by
     input columns (their bias whole)."""
     if tp == 1:
@@ -67,4 +74,4 @@ def _shard(dense, name, full, tp, t):
 
 def test_a_sequence_that_does_not_split_over_cp_is_refused():
     with pytest.raises(distlab.RankFailed, match="does not split into 8 equal chunks"):
-        distlab.run(_run_4d, 4, 1, 4, 1)
+        distlab.run(_run_4d, 4, 1, 1, 4, 1, 1)
