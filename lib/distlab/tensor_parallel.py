@@ -15,6 +15,7 @@ activations are split along the sequence (dim 1) instead of replicated. Each all
 a reduce-scatter (leaving a region) and an all-gather (entering the next one): the same bytes,
 but LayerNorm and the residual stream hold 1/tp of the sequence on each rank.
 """
+import contextlib
 import math
 
 import torch
@@ -343,3 +344,88 @@ def tp_block_seconds(cluster, tp, tokens, hidden=4096, heads=32, ffn=11008,
     link = cluster.link_between(range(tp))
     comm = 4 * link.seconds("all_reduce", nbytes, tp) if tp > 1 else 0.0
     return {"compute": 3 * (mm + attn), "comm": comm}
+
+
+# ---- grouped-query attention: how far the K/V heads split ----------------------------------------
+
+def kv_head_split(n_heads, n_kv_heads, tp):
+    """{"q heads", "kv heads", "copies"} per rank of a GQA attention over `tp` ranks: the query
+    heads always split (tp must divide them); the K/V heads split while tp <= n_kv_heads, and
+    past that each rank holds ONE K/V head, replicated on tp / n_kv_heads ranks (Megatron-LM and
+    vLLM do this: a rank's query heads all share one K/V head, so it needs that head whole).
+    Its K/V weights, their gradients and its KV cache are then `copies` times the even share."""
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads} "
+                         f"(each K/V head serves a group of query heads).")
+    if n_heads % tp:
+        raise ValueError(f"n_heads={n_heads} does not split evenly across {tp} tensor-parallel "
+                         f"ranks; choose a tp that divides it.")
+    if tp <= n_kv_heads:
+        if n_kv_heads % tp:
+            raise ValueError(f"n_kv_heads={n_kv_heads} does not split evenly across {tp} ranks; "
+                             f"choose a tp that divides it (or a multiple of it).")
+        return {"q heads": n_heads // tp, "kv heads": n_kv_heads // tp, "copies": 1}
+    if tp % n_kv_heads:
+        raise ValueError(f"tp={tp} > n_kv_heads={n_kv_heads} needs tp to be a multiple of "
+                         f"n_kv_heads, so that every K/V head is replicated the same number of "
+                         f"times.")
+    return {"q heads": n_heads // tp, "kv heads": 1, "copies": tp // n_kv_heads}
+
+
+# ---- dropout under TP: which ranks must draw the same random numbers ----------------------------
+
+def _rng_state():
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+        else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state):
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
+class RNGTracker:
+    """Named random-number streams a block of code can switch to (Megatron-LM's
+    CudaRNGStatesTracker, on the CPU generator here and the current CUDA one where it is up).
+
+    `with tracker.fork(name):` saves the default generator's state, runs the block on the
+    named stream, stores that stream's advanced state and restores the default: the code
+    outside draws exactly what it would have drawn without the block."""
+
+    def __init__(self):
+        self.states = {}
+
+    def add(self, name, seed):
+        saved = _rng_state()
+        torch.manual_seed(seed)
+        self.states[name] = _rng_state()
+        _set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states:
+            raise KeyError(f"no random stream named {name!r}; add it first "
+                           f"(known: {sorted(self.states)}).")
+        saved = _rng_state()
+        _set_rng_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _rng_state()
+            _set_rng_state(saved)
+
+
+def model_parallel_seed(seed, group=None):
+    """Megatron-LM's model_parallel_cuda_manual_seed: the default generator gets `seed` on every
+    rank of the TP group (dropout on REPLICATED activations — the residual stream after g's
+    all-reduce — must be identical on every rank, or the replicas drift apart), and the returned
+    tracker's "model-parallel-rng" stream gets seed + 2718 + the TP rank (dropout on SHARDED
+    activations — a rank's heads, its slice of the MLP hidden, or, sequence parallel, its slice
+    of the sequence — must differ, or every shard gets the same mask). 2718 is Megatron's offset."""
+    torch.manual_seed(seed)
+    tracker = RNGTracker()
+    tracker.add("model-parallel-rng", seed + 2718 + dist.get_rank(group))
+    return tracker

@@ -86,3 +86,80 @@ def column_and_row(tp=2):
     linear_split("row", tp, bottom)
     fig.tight_layout()
     return fig
+
+
+# ---- a whole block: where every collective sits -------------------------------------------------
+
+SHARDED = "#4C72B0"        # split over the TP ranks by heads / hidden features (a TP region)
+SEQUENCE = "#55A868"       # split over the TP ranks along the sequence (an SP region)
+COMM = "#C44E52"
+
+
+def _block_row(sequence_parallel):
+    """The boxes and collectives of one transformer block, in order: ("box", label, colour) or
+    ("comm", name, forward, backward). The layout is Megatron-LM's (Shoeybi et al. 2019, fig. 3;
+    Korthikanti et al. 2022, fig. 5), as distlab.tensor_parallel.ParallelBlock runs it."""
+    outside = SEQUENCE if sequence_parallel else REPLICATED
+    if sequence_parallel:
+        enter = ("comm", "all-gather", "all-gather\n(sequence)", "reduce-scatter")
+        leave = ("comm", "reduce-scatter", "reduce-scatter\n(sequence)", "all-gather")
+    else:
+        enter = ("comm", "f", "identity", "all-reduce")
+        leave = ("comm", "g", "all-reduce", "identity")
+    row = []
+    for inner in (("QKV\ncolumn", "attention\n(my heads)", "out proj\nrow"),
+                  ("fc1\ncolumn", "GeLU\n(my slice)", "fc2\nrow")):
+        row += [("box", "LayerNorm", outside), enter]
+        row += [("box", label, SHARDED) for label in inner]
+        row += [leave, ("box", "residual\n(+ dropout)", outside)]
+    return row
+
+
+def tp_sp_block(ax=None):
+    """One transformer block under tensor parallelism (top) and tensor + sequence parallelism
+    (bottom): grey = replicated on every TP rank, blue = split by heads / hidden features, green
+    = split along the sequence; each red marker is a collective, with what it does in forward
+    and in backward (its conjugate)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(13, 5.2))
+    w, h, gap = 1.0, 0.8, 0.22
+    for r, sp in enumerate((False, True)):
+        y = 3.3 - r * 2.9
+        x = 0.0
+        title = ("tensor + sequence parallel: every all-reduce becomes a reduce-scatter and an "
+                 "all-gather" if sp else "tensor parallel: f and g, one all-reduce per region "
+                 "forward, one backward")
+        ax.text(-0.1, y + h + 0.55, title, fontsize=10, fontweight="bold", ha="left")
+        centres = []                                     # (left, right) of each element
+        for item in _block_row(sp):
+            if item[0] == "box":
+                _, label, colour = item
+                ax.add_patch(Rectangle((x, y), w, h, facecolor=colour, edgecolor="black",
+                                       alpha=0.85))
+                ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=7.5,
+                        color="white" if colour != REPLICATED else "black")
+                centres.append((x, x + w))
+                x += w + gap
+            else:
+                _, name, fwd, bwd = item
+                cx = x + 0.3
+                ax.plot(cx, y + h / 2, marker="D", markersize=13, color=COMM, zorder=3)
+                ax.text(cx, y + h + 0.08, name, ha="center", va="bottom", fontsize=8,
+                        color=COMM, fontweight="bold")
+                ax.text(cx, y - 0.08, f"fwd: {fwd}\nbwd: {bwd}", ha="center", va="top",
+                        fontsize=6.5, color=COMM)
+                centres.append((cx - 0.17, cx + 0.17))
+                x += 0.6 + gap
+        for (_, a), (b, _) in zip(centres, centres[1:]):   # the data flows left to right
+            ax.annotate("", xy=(b, y + h / 2), xytext=(a, y + h / 2),
+                        arrowprops=dict(arrowstyle="->", color="black", lw=0.8), zorder=1)
+    handles = [Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black") for c in
+               (REPLICATED, SHARDED, SEQUENCE)]
+    ax.legend(handles, ["replicated on every TP rank", "split by heads / hidden features",
+                        "split along the sequence"], loc="lower center", ncol=3, fontsize=8,
+              bbox_to_anchor=(0.5, -0.08), frameon=False)
+    ax.set_xlim(-0.2, x + 0.1)
+    ax.set_ylim(-0.6, 4.9)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    return ax
