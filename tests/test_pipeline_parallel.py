@@ -79,6 +79,74 @@ def test_interleaved_activation_memory(p, v):
     assert (chunks / v) / p == pytest.approx(1 + (p - 1) / (p * v), abs=1e-12)
 
 
+# ---- ZB-V and DualPipeV: two chunks per stage in a V -------------------------------------------
+
+def _torch_order(cls, p, m):
+    """torch.distributed.pipelining's action order for rank r of a V schedule, as our Actions:
+    its stage index r is our chunk 0, 2p - 1 - r chunk 1; an overlapped pair is F, then B."""
+    from torch.distributed.pipelining import schedules as S
+    kinds = {S.FORWARD: "F", S.FULL_BACKWARD: "B", S.BACKWARD_INPUT: "I", S.BACKWARD_WEIGHT: "W"}
+    o = object.__new__(cls)      # the order only: no stages, no process group
+    o.pp_group_size, o._n_microbatches, o.num_stages, o._num_stages = p, m, 2 * p, 2 * p
+    out = []
+    for r in range(p):
+        ops = []
+        for a in o._calculate_single_rank_operations(r):
+            for s in (() if a is None else a.sub_actions if a.computation_type == S.OVERLAP_F_B
+                      else (a,)):
+                ops.append(ps.Action(kinds[s.computation_type], s.microbatch_index,
+                                     0 if s.stage_index == r else 1))
+        out.append(ops)
+    return out
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_v_schedules_are_torchs_and_never_deadlock(p):
+    from torch.distributed.pipelining import schedules as S
+    for m in range(1, 3 * p + 2):
+        zb = ps.zb_v(p, m)
+        assert zb.placement == "v" and [list(s) for s in zb] == \
+            _torch_order(S.ScheduleZBVZeroBubble, p, m), (p, m)
+        timeline = ps.simulate(zb, m, t_f=1, t_b=2, t_w=1)      # raises on a deadlock
+        assert len(timeline) == 3 * 2 * m * p
+        if m >= 2 * p - 1:      # F = I = W: (p - 1) chunk forwards idle, half of ZB-H1's
+            assert ps.bubble_fraction(timeline) == pytest.approx(ps.zb_v_bubble(p, m), abs=1e-12)
+            assert ps.zb_v_bubble(p, m) == pytest.approx((p - 1) / (6 * m + p - 1))
+            assert ps.theory("ZB-V", p, m) == ps.zb_v_bubble(p, m)
+            # 2p chunks of half a stage: p micro-batches, 1F1B's first stage's peak
+            assert max(ps.peak_in_flight(s) for s in zb) == 2 * p
+        if m >= 2 * p:
+            dp = ps.dualpipe_v(p, m)
+            assert [list(s) for s in dp] == _torch_order(S.ScheduleDualPipeV, p, m), (p, m)
+            timeline = ps.simulate(dp, m, t_f=1, t_b=2, t_w=1)
+            assert ps.bubble_fraction(timeline) == pytest.approx(ps.zb_v_bubble(p, m), abs=1e-12)
+            assert [ps.peak_in_flight(s) for s in dp] == [2 * p + 1] * p    # one chunk more
+        else:
+            with pytest.raises(ValueError, match=f"needs at least 2p = {2 * p} micro-batches"):
+                ps.dualpipe_v(p, m)
+
+
+def test_v_placement_everywhere():
+    assert [ps.virtual_stage(r, c, 3, "v") for r in range(3) for c in (0, 1)] == [0, 5, 1, 4, 2, 3]
+    assert all(ps.stage_of(ps.virtual_stage(r, c, 4, pl), 4, pl) == (r, c)
+               for r in range(4) for c in (0, 1) for pl in ps.PLACEMENTS)
+    # the last stage turns around without a message: at once, even with messages costing 10
+    t = ps.simulate(ps.zb_v(2, 3), 3, comm=10)
+    at = {(e["stage"], e["kind"], e["mb"], e["chunk"]): e for e in t}
+    assert at[1, "F", 0, 1]["start"] == at[1, "F", 0, 0]["end"]
+    assert at[0, "F", 0, 1]["start"] == at[1, "F", 0, 1]["end"] + 10
+    # the same lists read in the loop placement are another pipeline, whose order is wrong
+    with pytest.raises(ValueError):
+        ps.simulate([list(s) for s in ps.zb_v(3, 5)], 5)
+    with pytest.raises(ValueError, match="V placement holds exactly 2 chunks"):
+        ps.simulate(ps.one_f_one_b(2, 2), 2, placement="v")
+    with pytest.raises(ValueError, match="placement must be one of"):
+        ps.Schedule([[]], "w")
+    # DualPipe's idle time, from the DeepSeek-V3 report's table 2, at F&B = F + B
+    assert ps.dualpipe_bubble(8, 1, 2, 1) == 3 * (1 + 2 + 2 - 3)
+    assert ps.dualpipe_bubble(8, 1, 2, 1, t_fb=2.5) == 3 * (2.5 + 2 - 3)
+
+
 def test_simulator_timing_follows_dependencies():
     timeline = ps.simulate(ps.one_f_one_b(2, 2), 2, t_f=1, t_b=2, comm=0.5)
     at = {(e["stage"], e["kind"], e["mb"]): (e["start"], e["end"]) for e in timeline}
@@ -164,6 +232,32 @@ def test_schedule_equals_one_process(name, p, m, batch, v):
         assert len(timeline) == (3 if name == "ZB-H1" else 2) * m * v
         for a, b in zip(timeline, timeline[1:]):
             assert 0 <= a["start"] <= a["end"] <= b["start"]
+
+
+def _train_v(rank, world_size, batches, ms):
+    return {name: pp.train(rank, world_size, make, make_mlp(SIZES, seed=0), batches, ms[name],
+                           (SIZES[0],), v=2, lr=LR, dtype=torch.float64)
+            for name, make in ps.V_SCHEDULES.items()}
+
+
+@pytest.mark.parametrize("p, ms", [(2, {"ZB-V": 2, "DualPipeV": 5}),
+                                   (3, {"ZB-V": 4, "DualPipeV": 6})])
+def test_v_schedules_equal_one_process(p, ms):
+    """ZB-V (also with fewer micro-batches than its pattern: m < 2p - 1) and DualPipeV, in the V
+    placement over send/recv, train exactly like one process: one launch per world size."""
+    x, y = regression_data(64, SIZES[0], SIZES[-1], seed=1)
+    batches = batches_of(x, y, 23, 2)            # 23 samples: unequal micro-batches
+    got = distlab.run(_train_v, p, batches, ms, timeout=120)
+    expected = _reference(batches)
+    for name, make in ps.V_SCHEDULES.items():
+        _assert_matches_reference(name, [r[name] for r in got], expected)
+        schedule = make(p, ms[name])
+        for rank, r in enumerate(got):
+            timeline = r[name][-1]["timeline"]
+            assert [(e["kind"], e["mb"], e["chunk"]) for e in timeline] == \
+                [tuple(a) for a in schedule[rank]]
+            assert r[name][-1]["peak_in_flight"] == max(
+                ps.peak_in_flight(schedule[rank][:i + 1]) for i in range(len(schedule[rank])))
 
 
 def _peaks(rank, world_size, name, m):
@@ -289,18 +383,19 @@ def test_stages_without_parameters_work_in_every_schedule():
 
 # ---- every stage talks to the right neighbours (no processes: a recording transport) ----------------
 
-def _expected_messages(actions, rank, p, v):
+def _expected_messages(actions, rank, p, v, placement="loop"):
     """What stage `rank` must send and receive, in order, computed from the schedule alone."""
     n, out = p * v, []
     for a in actions:
-        vs = a.chunk * p + rank
-        before, after = vs > 0 and p > 1, vs < n - 1 and p > 1
+        vs = ps.virtual_stage(rank, a.chunk, p, placement)
+        prev = ps.stage_of(vs - 1, p, placement)[0] if vs > 0 else rank
+        nxt = ps.stage_of(vs + 1, p, placement)[0] if vs < n - 1 else rank
         if a.kind == "F":
-            out += [("recv activation", (vs - 1) % p)] if before else []
-            out += [("send activation", (vs + 1) % p)] if after else []
+            out += [("recv", prev, 0)] if prev != rank else []
+            out += [("send", nxt, 0)] if nxt != rank else []
         elif a.kind in "BI":
-            out += [("recv gradient", (vs + 1) % p)] if after else []
-            out += [("send gradient", (vs - 1) % p)] if before else []
+            out += [("recv", nxt, 1)] if nxt != rank else []
+            out += [("send", prev, 1)] if prev != rank else []
     return out
 
 
@@ -310,12 +405,12 @@ class _Recorder:
     def __init__(self):
         self.messages = []
 
-    def recv(self, tensor, src=None, group=None, **kw):
-        self.messages.append(("recv", src))
+    def recv(self, tensor, src=None, group=None, tag=0):
+        self.messages.append(("recv", src, tag))
         tensor.zero_()
 
-    def isend(self, tensor, dst=None, group=None, **kw):
-        self.messages.append(("send", dst))
+    def isend(self, tensor, dst=None, group=None, tag=0):
+        self.messages.append(("send", dst, tag))
         return type("Done", (), {"wait": lambda self: None})()
 
 
@@ -324,18 +419,21 @@ def test_every_stage_sends_to_and_receives_from_its_neighbours(p, monkeypatch):
     """A wrong neighbour would make the real run hang; recorded here, it fails in a second."""
     x, y = regression_data(2 * p, SIZES[0], SIZES[-1], seed=1)
     monkeypatch.setattr(pp, "_common_clock", lambda group: 0.0)
-    for name in ps.SCHEDULES:
-        schedule, v = _schedule_and_v(name, p, p)
+    for name in list(ps.SCHEDULES) + list(ps.V_SCHEDULES):
+        m = 2 * p if name in ps.V_SCHEDULES else p
+        schedule = (ps.V_SCHEDULES.get(name) or ps.SCHEDULES[name])(p, m)
+        v = 1 + max(a.chunk for stage in schedule for a in stage)
+        placement = ps.placement_of(schedule)
         parts = pp.split_model(make_mlp(SIZES, seed=0).net, p * v)
         for rank in range(p):
             recorder = _Recorder()
             monkeypatch.setattr(pp.dist, "recv", recorder.recv)
             monkeypatch.setattr(pp.dist, "isend", recorder.isend)
-            stage = pp.PipelineStage(parts, rank, p, (SIZES[0],))
-            stage.step(schedule[rank], x, y, p, F.mse_loss)
-            expected = _expected_messages(schedule[rank], rank, p, v)
-            assert recorder.messages == [(what.split()[0], peer) for what, peer in expected], \
-                f"{name}, p={p}: stage {rank} talked to the wrong stages"
+            stage = pp.PipelineStage(parts, rank, p, (SIZES[0],), placement=placement)
+            stage.step(schedule[rank], x, y, m, F.mse_loss)
+            expected = _expected_messages(schedule[rank], rank, p, v, placement)
+            assert recorder.messages == expected, \
+                f"{name}, p={p}: stage {rank} talked to the wrong stages (or tags)"
 
 
 # ---- torch.distributed.pipelining gives the same loss ----------------------------------------------

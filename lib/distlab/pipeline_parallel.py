@@ -26,7 +26,12 @@ import torch.nn as nn
 
 from .devices import device
 from . import trace
-from .pipeline_schedules import normalize
+from .pipeline_schedules import normalize, placement_of, stage_of, virtual_stage
+
+# send/recv pair messages by (peer, tag) in order. Activations and gradients can travel the
+# same way between two stages (the V placement: stage r sends chunk 0's activations and chunk
+# 1's input gradients to r + 1), so they get tags of their own, and each kind keeps its order.
+ACTIVATION, GRADIENT = 0, 1
 
 
 def split_model(seq, n_parts):
@@ -72,39 +77,59 @@ def _output_shapes(parts, in_shape, dtype, where):
 
 
 class PipelineStage:
-    """This rank's chunks of the model: chunk c is virtual stage c * world_size + rank."""
+    """This rank's chunks of the model: chunk c is virtual stage c * world_size + rank, or with
+    placement="v" (two chunks: ZB-V, DualPipeV) virtual stages rank and 2 * world_size - 1 - rank."""
 
-    def __init__(self, parts, rank, world_size, in_shape, dtype=torch.float32, group=None):
+    def __init__(self, parts, rank, world_size, in_shape, dtype=torch.float32, group=None,
+                 placement="loop"):
         if len(parts) % world_size:
             raise ValueError(f"{len(parts)} model pieces cannot be dealt evenly to {world_size} "
                              f"stages; use a multiple of {world_size}.")
         self.rank, self.p, self.group = rank, world_size, group
         self.v = len(parts) // world_size
         self.n = len(parts)
+        self.placement = placement_of(None, placement)
+        if self.placement == "v" and self.v != 2:
+            raise ValueError(f"the V placement gives every stage 2 pieces; {len(parts)} pieces "
+                             f"for {world_size} stages are {self.v} each.")
         # A model built on the meta device (a real-size stage under emulation: shapes, no
         # values) talks in meta tensors; any other runs on the course's device.
         self.meta = any(q.is_meta for part in parts for q in part.parameters())
         self.shapes = _output_shapes(parts, tuple(in_shape), dtype,
                                      "meta" if self.meta else device())
         self.in_shape, self.dtype = tuple(in_shape), dtype
-        self.chunks = {c: parts[c * world_size + rank] for c in range(self.v)}
+        self.chunks = {c: parts[self._vs(c)] for c in range(self.v)}
         self.timeline, self.peak_activation_bytes, self.peak_in_flight = [], 0, 0
 
     def parameters(self):
         return [p for c in sorted(self.chunks) for p in self.chunks[c].parameters()]
 
+    # -- where the pieces are ---------------------------------------------------------------------
+    def _vs(self, chunk):
+        return virtual_stage(self.rank, chunk, self.p, self.placement)
+
+    def _holder(self, vs):
+        """The stage holding virtual stage vs."""
+        return stage_of(vs, self.p, self.placement)[0]
+
+    def _local(self, vs):
+        """Our chunk holding virtual stage vs (the piece before or after ours is on this rank)."""
+        return stage_of(vs, self.p, self.placement)[1]
+
     # -- talking to the neighbours --------------------------------------------------------------
     def _peer(self, vs):
-        return dist.get_global_rank(self.group, vs % self.p) if self.group else vs % self.p
+        holder = self._holder(vs)
+        return dist.get_global_rank(self.group, holder) if self.group else holder
 
-    def _recv(self, shape, vs):
+    def _recv(self, shape, vs, tag):
         buf = torch.empty(shape, dtype=self.dtype, device=self._device)
-        dist.recv(buf, src=self._peer(vs), group=self.group)
+        dist.recv(buf, src=self._peer(vs), group=self.group, tag=tag)
         return buf
 
-    def _send(self, tensor, vs):
+    def _send(self, tensor, vs, tag):
         tensor = tensor.detach().contiguous()
-        self._pending.append((dist.isend(tensor, dst=self._peer(vs), group=self.group), tensor))
+        self._pending.append((dist.isend(tensor, dst=self._peer(vs), group=self.group, tag=tag),
+                              tensor))
 
     # -- one training step ------------------------------------------------------------------------
     def step(self, actions, x, y, n_microbatches, loss_fn):
@@ -131,15 +156,16 @@ class PipelineStage:
             if a.chunk not in self.chunks:
                 raise ValueError(f"stage {self.rank} has {self.v} chunk(s); {a!r} names chunk "
                                  f"{a.chunk}.")
-            vs, mb, part = a.chunk * self.p + self.rank, a.mb, self.chunks[a.chunk]
+            vs, mb, part = self._vs(a.chunk), a.mb, self.chunks[a.chunk]
             n_mb, key = sizes[mb], (a.chunk, a.mb)
             if a.kind == "F":
                 if vs == 0:
                     inp = x[offsets[mb]:offsets[mb] + n_mb]
-                elif (vs - 1) % self.p == self.rank:      # one stage: the piece before is ours
-                    inp = state[(a.chunk - 1, mb)]["out"].detach().requires_grad_()
+                elif self._holder(vs - 1) == self.rank:   # the piece before is ours too
+                    inp = state[(self._local(vs - 1), mb)]["out"].detach().requires_grad_()
                 else:
-                    inp = self._recv((n_mb, *self.shapes[vs - 1]), vs - 1).requires_grad_()
+                    inp = self._recv((n_mb, *self.shapes[vs - 1]), vs - 1,
+                                     ACTIVATION).requires_grad_()
                 start = _now()
                 held[key] = 0
 
@@ -156,8 +182,8 @@ class PipelineStage:
                         # sum is the whole batch's mean loss, even for unequal micro-batches.
                         out = loss_fn(out, y[offsets[mb]:offsets[mb] + n_mb]) * (n_mb / len(y))
                         total = out.detach() if total is None else total + out.detach()
-                    elif (vs + 1) % self.p != self.rank:
-                        self._send(out, vs + 1)
+                    elif self._holder(vs + 1) != self.rank:
+                        self._send(out, vs + 1, ACTIVATION)
                 state[key] = {"inp": inp, "out": out, "layers": layer_outputs}
                 self._held_bytes += held[key]
                 self.peak_activation_bytes = max(self.peak_activation_bytes, self._held_bytes)
@@ -167,10 +193,10 @@ class PipelineStage:
                 if a.kind in "BI":
                     if vs == self.n - 1:
                         s["grad"] = None
-                    elif (vs + 1) % self.p == self.rank:
-                        s["grad"] = state[(a.chunk + 1, mb)]["inp"].grad
+                    elif self._holder(vs + 1) == self.rank:
+                        s["grad"] = state[(self._local(vs + 1), mb)]["inp"].grad
                     else:
-                        s["grad"] = self._recv((n_mb, *self.shapes[vs]), vs + 1)
+                        s["grad"] = self._recv((n_mb, *self.shapes[vs]), vs + 1, GRADIENT)
                 start = _now()
                 if a.kind == "B":
                     # A first piece without parameters (Flatten) has nothing to differentiate.
@@ -189,11 +215,11 @@ class PipelineStage:
                     s["layer_grads"] = list(got)
                 elif a.kind == "W":
                     _weight_gradients(part, s)
-                if a.kind in "BI" and vs > 0 and (vs - 1) % self.p != self.rank:
-                    self._send(s["inp"].grad, vs - 1)
+                if a.kind in "BI" and vs > 0 and self._holder(vs - 1) != self.rank:
+                    self._send(s["inp"].grad, vs - 1, GRADIENT)
                 if a.kind in "BW":
                     self._held_bytes -= held.pop(key)
-                    if vs == 0 or (vs - 1) % self.p != self.rank:
+                    if vs == 0 or self._holder(vs - 1) != self.rank:
                         del state[key]   # the piece before on this rank still reads inp.grad
             self.timeline.append(dict(stage=self.rank, kind=a.kind, mb=mb, chunk=a.chunk,
                                       start=start - t0, end=_now() - t0))
@@ -273,7 +299,8 @@ def _common_clock(group):
 
 def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, v=1,
           loss_fn=None, lr=0.05, prefix="net.", dtype=torch.float32):
-    """Train `model.net` pipelined with `schedule(p, m)` for len(batches) SGD steps.
+    """Train `model.net` pipelined with `schedule(p, m)` for len(batches) SGD steps (where the
+    chunks sit, the schedule says: a ps.Schedule's placement, else "loop").
 
     Returns, per step, this rank's loss (last stage, else None), gradients and parameters after
     the step by full-model name, and the timeline; for tests and the notebook.
@@ -281,9 +308,10 @@ def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, 
     import torch.nn.functional as F
     loss_fn = loss_fn or F.mse_loss
     model = model.to(device=device(), dtype=dtype)
+    schedule = schedule(world_size, n_microbatches)
     stage = PipelineStage(split_model(model.net, world_size * v), rank, world_size, in_shape,
-                          dtype)
-    actions = schedule(world_size, n_microbatches)[rank]
+                          dtype, placement=placement_of(schedule))
+    actions = schedule[rank]
     named = [(f"{prefix}{n}", p) for c in sorted(stage.chunks)
              for n, p in stage.chunks[c].named_parameters()]
     out = []
@@ -370,35 +398,94 @@ def real_size_step(rank, world_size, schedule, m, blocks_per_stage=2, tokens=409
     return stage.timeline
 
 
-def action_times(rank, world_size, build, in_shape, rows, dtype=torch.bfloat16):
-    """Seconds of F, B, I and W of one micro-batch of `rows` through `build()` (a module built on
-    the meta device) on this rank's virtual clock — exactly the work PipelineStage charges for
-    each action (B: the full backward from the output's gradient; I then W: the split one)."""
+def action_times(build, in_shape, rows, dtype=torch.bfloat16, where="meta", repeats=1):
+    """Seconds of F, B, I and W of one micro-batch of `rows` through `build()` — exactly the work
+    PipelineStage charges for each action (B: the full backward from the output's gradient; I
+    then W: the split one). "W" is the first micro-batch's (no .grad yet); "W+acc" a later one's,
+    which adds its weight gradients into .grad.
+
+    where="meta": on this rank's virtual clock (call it inside distlab.run(..., emulate=...),
+    with `build` making a meta-device module). Anything else: real time on that device in this
+    process, after one warm-up round (a first call pays one-time costs), the median of `repeats`.
+    """
     part = build()
-    with torch.device("meta"):
-        x = torch.empty(rows, *in_shape, dtype=dtype, requires_grad=True)
+    with torch.device(where):
+        x = torch.randn(rows, *in_shape, dtype=dtype, requires_grad=True)
+    if where == "meta":
+        return _time_actions(part, x, trace.now)
+    clock = time.perf_counter
+    _time_actions(part, x, clock)                               # warm-up
+    runs = [_time_actions(part, x, clock) for _ in range(repeats)]
+    return {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in runs[0]}
+
+
+def _time_actions(part, x, now):
+    for q in part.parameters():
+        q.grad = None
     times = {}
-    start = trace.now()
+    start = now()
     out = part(x)
-    times["F"] = trace.now() - start
-    grad = torch.empty_like(out)
-    start = trace.now()
+    times["F"] = now() - start
+    grad = torch.ones_like(out)
+    start = now()
     _vjp_root(out, grad).backward()
-    times["B"] = trace.now() - start
+    times["B"] = now() - start
     for q in part.parameters():
         q.grad = None
     with _weight_inputs(part) as layers:
         out = part(x)
     s = {"out": out, "grad": grad, "layers": layers}
-    start = trace.now()
+    start = now()
     got = torch.autograd.grad(_vjp_root(out, grad), [x] + [o for _, o in layers],
                               retain_graph=True)
     s["layer_grads"] = list(got[1:])
-    times["I"] = trace.now() - start
-    start = trace.now()
-    _weight_gradients(part, s)
-    times["W"] = trace.now() - start
+    times["I"] = now() - start
+    start = now()
+    _weight_gradients(part, s)              # .grad is None: the first micro-batch
+    times["W"] = now() - start
+    start = now()
+    _weight_gradients(part, s)              # .grad exists: every later micro-batch adds to it
+    times["W+acc"] = now() - start
     return times
+
+
+def weight_grad_seconds(rows, d_in, d_out, dtype=torch.float32, where="cpu", repeats=5):
+    """One Linear layer's weight gradient dW = dYᵀ·X for a micro-batch of `rows`, three ways:
+
+    "GEMM"      the product alone (the first micro-batch: .grad is just set);
+    "GEMM, +="  the product, then .grad = .grad + dW (what autograd's accumulation does for every
+                later micro-batch: one more pass that reads .grad and dW and writes .grad);
+    "fused"     addmm(.grad, dYᵀ, X, out=.grad): the GEMM adds into .grad as it writes (beta = 1), what
+                Megatron's gradient_accumulation_fusion does into its fp32 main_grad.
+
+    where="meta": on the virtual clock (inside an emulated run); else real time in this process,
+    after a warm-up, the median of `repeats`."""
+    with torch.device(where):
+        x = torch.randn(rows, d_in, dtype=dtype)
+        dy = torch.randn(rows, d_out, dtype=dtype)
+        grad = torch.zeros(d_out, d_in, dtype=dtype)
+    now = trace.now if where == "meta" else time.perf_counter
+
+    def once():
+        nonlocal grad
+        times = {}
+        start = now()
+        dw = dy.t() @ x
+        times["GEMM"] = now() - start
+        start = now()
+        grad = grad + dy.t() @ x
+        times["GEMM, +="] = now() - start
+        start = now()
+        # out= rather than addmm_: the same kernel, and the emulator knows addmm's GEMM shape
+        torch.addmm(grad, dy.t(), x, out=grad)
+        times["fused"] = now() - start
+        del dw
+        return times
+    if where == "meta":
+        return once()
+    once()
+    runs = [once() for _ in range(repeats)]
+    return {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in runs[0]}
 
 
 def message_seconds(cluster, nbytes, ranks=(0, 1)):

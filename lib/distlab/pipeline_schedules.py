@@ -9,7 +9,11 @@ A schedule for p stages is a list of p lists: what stage r does, in order. Each 
     W  backward for the weight gradients only (nobody waits for it: it can fill a bubble)
 
 With v chunks per stage (interleaved schedules) chunk c of stage r is the virtual stage
-c * p + r: the model is cut into p * v pieces dealt round-robin to the stages.
+c * p + r: the model is cut into p * v pieces dealt round-robin to the stages (the "loop"
+placement). ZB-V and DualPipeV place two chunks per stage in a V instead: stage r holds virtual
+stages r and 2p - 1 - r, so a micro-batch goes down the stages and comes back up, and the last
+stage turns it around without a message. Such a schedule is a `Schedule` (a list) whose
+`placement` is "v"; every function here reads it from there.
 
 `simulate` executes such lists like the real ranks do - each stage runs its list in order and
 waits for the tensors it needs - but with fixed durations, and returns every action's start and
@@ -20,6 +24,42 @@ from collections import namedtuple
 Action = namedtuple("Action", "kind mb chunk", defaults=(0,))
 Action.__repr__ = lambda a: f"{a.kind}{a.mb}" + (f".{a.chunk}" if a.chunk else "")
 KINDS = ("F", "B", "I", "W")
+
+
+class Schedule(list):
+    """A schedule (one list of actions per stage) that also says where the chunks sit:
+    placement "loop" (chunk c of stage r is virtual stage c * p + r) or "v" (see module doc)."""
+
+    def __init__(self, stages, placement="loop"):
+        super().__init__(stages)
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}; got {placement!r}.")
+        self.placement = placement
+
+
+PLACEMENTS = ("loop", "v")
+
+
+def placement_of(schedule, placement=None):
+    """The placement given, else the schedule's own, else "loop" (plain lists)."""
+    placement = placement or getattr(schedule, "placement", "loop")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}; got {placement!r}.")
+    return placement
+
+
+def virtual_stage(rank, chunk, p, placement="loop"):
+    """Which piece of the model chunk `chunk` of stage `rank` is (0 = the first layers)."""
+    if placement == "v":
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
+
+
+def stage_of(vs, p, placement="loop"):
+    """(stage, chunk) holding virtual stage `vs`: the inverse of virtual_stage."""
+    if placement == "v":
+        return (vs, 0) if vs < p else (2 * p - 1 - vs, 1)
+    return vs % p, vs // p
 
 
 def _check(p, m):
@@ -108,6 +148,147 @@ def zb_h1(p, m):
     return schedule
 
 
+def zb_v(p, m):
+    """ZB-V (Qi et al., 2024, "Zero Bubble Pipeline Parallelism", section 6): two chunks per
+    stage in a V, the backward split into I and W.
+
+    Stage r holds virtual stages r (chunk 0, on the way down) and 2p - 1 - r (chunk 1, on the
+    way back up), so the last stage turns a micro-batch around at once and the first stage both
+    starts and finishes it: the ramp down and the ramp up meet on the same stage. The warm-up
+    runs 2(p - r) - 1 forwards of chunk 0, then r pairs (chunk 1, chunk 0), then p - r rounds of
+    F, I, W on chunk 1; the steady state alternates F I W on chunk 0 and on chunk 1; the
+    cool-down runs the remaining I's first and the W's last. With F = I = W per chunk its
+    bubble is close to zero once m >= 2p - 1, at 1F1B's peak activation memory (p micro-batches:
+    2p chunks of half a stage each). The order is torch.distributed.pipelining's
+    ScheduleZBVZeroBubble (tests compare the two), written for this course's Actions.
+    """
+    _check(p, m)
+    n = max(2 * p - 1, m)       # fill the pattern as if m were 2p - 1, then drop the extra
+    schedule = []
+    for r in range(p):
+        ops = []
+        f, b = [0, 0], [0, 0]           # next forward / input-gradient micro-batch, per chunk
+
+        def add(kind, c, mb=None):
+            counter = f if kind == "F" else b if kind == "I" else None
+            mb = counter[c] if mb is None else mb
+            if counter is not None:
+                counter[c] += 1
+            ops.append(Action(kind, mb, c))
+        for _ in range(2 * (p - r) - 1):
+            add("F", 0)
+        for _ in range(r):
+            add("F", 1)
+            add("F", 0)
+        for _ in range(p - r):
+            add("F", 1)
+            add("I", 1)
+            add("W", 1, b[1] - 1)
+        while f[1] < f[0] or f[0] < n:
+            if f[0] < n:
+                add("F", 0)
+            add("I", 0)
+            add("W", 0, b[0] - 1)
+            add("F", 1)
+            add("I", 1)
+            add("W", 1, b[1] - 1)
+        w = list(b)                     # the W's of the cool-down come after its I's
+        for _ in range(r):
+            add("I", 0)
+            add("I", 1)
+        for _ in range(p - r):
+            add("I", 0)
+            add("W", 0, w[0])
+            w[0] += 1
+        ops += [Action("W", j, 1) for j in range(w[1], b[1])]
+        ops += [Action("W", j, 0) for j in range(w[0], b[0])]
+        schedule.append([a for a in ops if a.mb < m])
+    return Schedule(schedule, "v")
+
+
+def dualpipe_v(p, m):
+    """DualPipeV (DeepSeek's DualPipe "cut in half", github.com/deepseek-ai/DualPipe): the V
+    placement of ZB-V, with DualPipe's eight phases per stage.
+
+    The idea DualPipe adds is the *pair*: in the steady state each stage runs the forward of one
+    micro-batch on one chunk next to the full backward of another on its other chunk
+    (F0 B1, F1 B0, ...). On a GPU the two run at once and one hides the other's communication
+    (DeepSeek-V3 overlaps the MoE all-to-alls of one with the compute of the other); here, and in
+    `simulate`, a pair is just F then B one after the other. The cool-down splits some backwards
+    into I and W to fill the drain, as zero-bubble schedules do. Needs m >= 2p. The order is
+    torch.distributed.pipelining's ScheduleDualPipeV (tests compare the two), each overlapped
+    pair written as its forward, then its backward.
+    """
+    _check(p, m)
+    if m < 2 * p:
+        raise ValueError(f"DualPipeV needs at least 2p = {2 * p} micro-batches (one per virtual "
+                         f"stage, so the two directions of the V both fill); got m={m}.")
+    schedule = []
+    for r in range(p):
+        ops, nxt, pending = [], {}, []       # next micro-batch per (chunk, kind); W's owed
+
+        def add(kind, c):
+            key = (c, "I" if kind in "BI" else kind)
+            mb = nxt.get(key, 0)
+            nxt[key] = mb + 1
+            ops.append(Action(kind, mb, c))
+            if kind == "I":
+                pending.append((mb, c))
+
+        def owed_w():
+            if pending:
+                mb, c = pending.pop(0)
+                ops.append(Action("W", mb, c))
+        for _ in range(2 * (p - r - 1)):                    # 1: F0
+            add("F", 0)
+        for _ in range(r + 1):                              # 2: F0 F1
+            add("F", 0)
+            add("F", 1)
+        for _ in range(p - r - 1):                          # 3: I1 W F1 (zero bubble)
+            add("I", 1)
+            owed_w()
+            add("F", 1)
+        for i in range(m - 2 * p + r + 1):                  # 4: F0 B1 - F1 B0 (the pairs)
+            add("F", 0)
+            add("B", 1)
+            add("F", 1)
+            add("B", 0)
+        for _ in range(p - r - 1):                          # 5: B1 - F1 B0
+            add("B", 1)
+            add("F", 1)
+            add("B", 0)
+        split = False
+        for i in range(r + 1):                              # 6: B1 B0, then split
+            if i == (r + 1) // 2 and r % 2 == 1:
+                split = True
+            add("I" if split else "B", 1)
+            if i == (r + 1) // 2 and r % 2 == 0:
+                split = True
+            add("I" if split else "B", 0)
+        for _ in range(p - r - 1):                          # 7: W B0
+            owed_w()
+            add("I" if split else "B", 0)
+        for _ in range(r + 1):                              # 8: the W's left
+            owed_w()
+        schedule.append(ops)
+    return Schedule(schedule, "v")
+
+
+def dualpipe_bubble(p, t_f, t_b, t_w, t_fb=None):
+    """DualPipe's idle time per stage (DeepSeek-V3 technical report, arXiv:2412.19437, table 2;
+    the DualPipe repository's table, DualPipeV included): (p/2 - 1)(t_fb + t_b - 3 t_w), where
+    t_fb is the time of one overlapped forward-and-backward pair of chunks (at most t_f + t_b:
+    what the overlap hides is communication) and t_f, t_b, t_w are a chunk's forward, full
+    backward and weight-gradient times. Beside it, the same table's 1F1B: (p - 1)(t_f + t_b),
+    and ZB1P (ZB-H1): (p - 1)(t_f + t_b - 2 t_w). Here p is DualPipe's number of ranks (DualPipeV:
+    twice its ranks, the number of chunks)."""
+    t_fb = t_f + t_b if t_fb is None else t_fb
+    return (p / 2 - 1) * (t_fb + t_b - 3 * t_w)
+
+
+V_SCHEDULES = {"ZB-V": zb_v, "DualPipeV": dualpipe_v}
+
+
 SCHEDULES = {"GPipe": gpipe, "1F1B": one_f_one_b, "interleaved 1F1B": interleaved_1f1b,
              "ZB-H1": zb_h1}
 
@@ -131,17 +312,28 @@ def zb_h1_bubble(p, m, t_f=1.0, t_i=1.0, t_w=1.0):
     return idle / (m * (t_f + t_i + t_w) + idle)
 
 
+def zb_v_bubble(p, m):
+    """Idle fraction of ZB-V with equal stages, F = I = W and m >= 2p - 1, as `simulate` finds
+    it: each stage idles p - 1 forwards of a chunk — half a stage's, so half ZB-H1's idle time —
+    against m (F + I + W) of work: (p - 1) / (6m + p - 1)."""
+    return (p - 1) / (6 * m + p - 1)
+
+
 def theory(name, p, m, v=1):
-    """The bubble formula of a named schedule (equal stages; F = I = W in time for ZB-H1, B = I + W)."""
+    """The bubble formula of a named schedule (equal stages; F = I = W in time for ZB-H1 and
+    ZB-V, B = I + W)."""
     if name == "ZB-H1":
         return zb_h1_bubble(p, m) if m >= p else None
+    if name == "ZB-V":
+        return zb_v_bubble(p, m) if m >= 2 * p - 1 else None
     return theory_bubble(p, m, v if name == "interleaved 1F1B" else 1)
 
 
 # ---- checking and simulating a schedule -----------------------------------------------------------
 
 def normalize(schedule):
-    """Accept tuples like ("F", 0) or ("B", 3, 1) and return lists of Actions."""
+    """Accept tuples like ("F", 0) or ("B", 3, 1) and return lists of Actions (a Schedule keeps
+    its placement)."""
     out = []
     for r, actions in enumerate(schedule):
         stage = []
@@ -155,13 +347,17 @@ def normalize(schedule):
                 raise ValueError(f"stage {r}: {a!r} has kind {a.kind!r}; use one of {KINDS}.")
             stage.append(a)
         out.append(stage)
-    return out
+    return Schedule(out, schedule.placement) if isinstance(schedule, Schedule) else out
 
 
-def validate(schedule, m):
+def validate(schedule, m, placement=None):
     """Raise ValueError unless every stage does each needed action exactly once, in a sane order."""
+    placement = placement_of(schedule, placement)
     schedule = normalize(schedule)
     v = 1 + max((a.chunk for s in schedule for a in s), default=0)
+    if placement == "v" and v != 2:
+        raise ValueError(f"the V placement holds exactly 2 chunks per stage; this schedule "
+                         f"names {v}.")
     for r, actions in enumerate(schedule):
         seen = set()
         for a in actions:
@@ -190,27 +386,30 @@ def validate(schedule, m):
     return schedule, v
 
 
-def _messages(schedule, p, v):
+def _messages(schedule, p, v, placement="loop"):
     """What each stage sends and receives, in its own order: {(src, dst, what): [(mb, vs)...]}."""
     sends, recvs = {}, {}
     n = p * v
     for r, actions in enumerate(schedule):
         for a in actions:
-            vs = a.chunk * p + r
-            if a.kind == "F" and vs + 1 < n and (vs + 1) % p != r:
-                sends.setdefault((r, (vs + 1) % p, "activation"), []).append((a.mb, vs + 1))
-            if a.kind == "F" and vs > 0 and (vs - 1) % p != r:
-                recvs.setdefault(((vs - 1) % p, r, "activation"), []).append((a.mb, vs))
-            if a.kind in "BI" and vs > 0 and (vs - 1) % p != r:
-                sends.setdefault((r, (vs - 1) % p, "gradient"), []).append((a.mb, vs - 1))
-            if a.kind in "BI" and vs + 1 < n and (vs + 1) % p != r:
-                recvs.setdefault(((vs + 1) % p, r, "gradient"), []).append((a.mb, vs))
+            vs = virtual_stage(r, a.chunk, p, placement)
+            after = stage_of(vs + 1, p, placement)[0] if vs + 1 < n else r
+            before = stage_of(vs - 1, p, placement)[0] if vs > 0 else r
+            if a.kind == "F" and after != r:
+                sends.setdefault((r, after, "activation"), []).append((a.mb, vs + 1))
+            if a.kind == "F" and before != r:
+                recvs.setdefault((before, r, "activation"), []).append((a.mb, vs))
+            if a.kind in "BI" and before != r:
+                sends.setdefault((r, before, "gradient"), []).append((a.mb, vs - 1))
+            if a.kind in "BI" and after != r:
+                recvs.setdefault((after, r, "gradient"), []).append((a.mb, vs))
     return sends, recvs
 
 
-def check_message_order(schedule, p, v):
-    """send/recv pair messages in order (no tags): a stage must receive in the order they are sent."""
-    sends, recvs = _messages(schedule, p, v)
+def check_message_order(schedule, p, v, placement=None):
+    """send/recv pair the messages of one kind (activations, or gradients: the runtime tags them
+    apart) between two stages in order: a stage must receive them in the order they are sent."""
+    sends, recvs = _messages(schedule, p, v, placement_of(schedule, placement))
     for key, sent in sends.items():
         got = recvs.get(key, [])
         if sent != got:
@@ -223,16 +422,18 @@ def check_message_order(schedule, p, v):
                              f"the wrong tensors.")
 
 
-def simulate(schedule, m, t_f=1.0, t_b=2.0, t_w=None, comm=0.0):
+def simulate(schedule, m, t_f=1.0, t_b=2.0, t_w=None, comm=0.0, placement=None):
     """Start and end of every action when each stage runs its list in order and waits for inputs.
 
     t_f, t_b: forward / full backward time of one stage (a chunk takes 1/v of it); t_w: the
-    weight-gradient part of the backward (default half); comm: time of one send/recv.
+    weight-gradient part of the backward (default half); comm: time of one send/recv;
+    placement: where the chunks sit (default: the schedule's own, else "loop").
     Returns a list of dicts {stage, kind, mb, chunk, start, end}. Raises ValueError on a deadlock.
     """
-    schedule, v = validate(schedule, m)
+    placement = placement_of(schedule, placement)
+    schedule, v = validate(schedule, m, placement)
     p = len(schedule)
-    check_message_order(schedule, p, v)
+    check_message_order(schedule, p, v, placement)
     t_w = t_b / 2 if t_w is None else t_w
     cost = {"F": t_f / v, "B": t_b / v, "I": (t_b - t_w) / v, "W": t_w / v}
     n = p * v
@@ -242,14 +443,14 @@ def simulate(schedule, m, t_f=1.0, t_b=2.0, t_w=None, comm=0.0):
 
     def ready(a, r):
         """When the inputs of action a are available, or None if they do not exist yet."""
-        vs = a.chunk * p + r
+        vs = virtual_stage(r, a.chunk, p, placement)
         needs = []
         if a.kind == "F" and vs > 0:
-            needs.append(("F", a.mb, vs - 1, (vs - 1) % p != r))
+            needs.append(("F", a.mb, vs - 1, stage_of(vs - 1, p, placement)[0] != r))
         if a.kind in "BI":
             needs.append(("F", a.mb, vs, False))
             if vs + 1 < n:
-                needs.append(("G", a.mb, vs + 1, (vs + 1) % p != r))
+                needs.append(("G", a.mb, vs + 1, stage_of(vs + 1, p, placement)[0] != r))
         if a.kind == "W":
             needs.append(("I", a.mb, vs, False))
         t = 0.0
@@ -269,7 +470,7 @@ def simulate(schedule, m, t_f=1.0, t_b=2.0, t_w=None, comm=0.0):
                     break
                 start = max(t, free[r])
                 free[r] = end = start + cost[a.kind]
-                vs = a.chunk * p + r
+                vs = virtual_stage(r, a.chunk, p, placement)
                 done[a.kind, a.mb, vs] = end
                 if a.kind in "BI":
                     done["G", a.mb, vs] = end      # the input gradient exists
