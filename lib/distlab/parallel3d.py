@@ -41,6 +41,15 @@ class Mesh3D(HandMesh):
         self.dp, self.pp, self.tp = dp, pp, tp
         self.d, self.p, self.t = self.get_coordinate()
 
+    def device_mesh(self, device_type="cpu"):
+        """torch's DeviceMesh of the same shape, names and rank order (row-major, tp fastest),
+        made once: DTensors, and so DCP's sharded checkpoints, need one (collective on first use)."""
+        if getattr(self, "_device_mesh", None) is None:
+            from torch.distributed.device_mesh import init_device_mesh
+            self._device_mesh = init_device_mesh(device_type, (self.dp, self.pp, self.tp),
+                                                 mesh_dim_names=NAMES)
+        return self._device_mesh
+
     def pp_rank(self, stage):
         """The global rank of `stage` in this rank's pipeline (same dp and tp coordinates)."""
         return self.ranks["pp"][stage]

@@ -23,8 +23,9 @@ Only rank 0 logs. Every --save-every steps, and at the end, every rank writes it
 model, of Adam's state and its random state with torch.distributed.checkpoint (distlab.checkpoint)
 to <ckpt>/step-<n>; <ckpt>/latest points at the newest complete one. When it exists at start,
 every rank reads the part it needs and training continues from its step: the data of step s is a
-fixed function of s, so a resumed run sees exactly the batches it would have seen. The checkpoint
-is written under the DENSE model's names, so a run may resume under a different (dp, pp, tp).
+fixed function of s, so a resumed run sees exactly the batches it would have seen. Each rank
+writes only its shards, as DTensors under the DENSE model's names, and DCP reshards them at load:
+a run may resume under a different (dp, pp, tp), each rank reading only the chunks it needs.
 
 The script's options are chosen so that none is a prefix of one of torchrun's (torchrun reads
 abbreviations: a script option `--n` would be taken as ambiguous torchrun option).
@@ -91,6 +92,12 @@ def parser():
                          "the precision it was saved in)")
     ap.add_argument("--ckpt", default=None, help="folder of the checkpoint (resume from it)")
     ap.add_argument("--save-every", type=_at_least(0), default=0, help="also save every k steps")
+    ap.add_argument("--dense-ckpt", action="store_true",
+                    help="save whole tensors (each rank all-gathers its tp shards first) instead "
+                         "of each rank's DTensor shards")
+    ap.add_argument("--async-save", action="store_true",
+                    help="write each checkpoint in a background thread (dcp.async_save): training "
+                         "goes on once the state is staged; the next save waits for it")
     ap.add_argument("--stop-after", type=_at_least(0), default=None,
                     help="stop after this step, as if the job were preempted (to try resuming)")
     ap.add_argument("--kill-at", type=_at_least(0), default=None,
@@ -157,12 +164,28 @@ class Adam:
             p.addcdiv_(m, denom, value=-self.lr / (1 - b1 ** t))
 
 
-def save(stage, mesh, args, step, losses, optimizer):
-    """Collective: every rank writes its part of the run at `step` (see distlab.checkpoint)."""
+def save(stage, mesh, args, step, losses, optimizer, pending=None):
+    """Collective: every rank writes its part of the run at `step` (see distlab.checkpoint).
+
+    With --async-save the save before (`pending`) is waited for first, so that latest switches
+    in order and at most one save is in flight; returns the new one still being written."""
+    if pending is not None:
+        log(f"saved step {finish(pending)}")
     path = ckpt.save(args.ckpt, step, stage, mesh, optimizer,
                      dict(losses=losses, next_sample=step * args.batch, config=CONFIG,
-                          layers=args.layers, seed=args.seed, optim=args.optim, batch=args.batch))
+                          layers=args.layers, seed=args.seed, optim=args.optim, batch=args.batch),
+                     sharded=not args.dense_ckpt, background=args.async_save)
+    if args.async_save:
+        log(f"staged step {step}; writing in the background")
+        return path
     log(f"saved step {step} to {path}")
+    return None
+
+
+def finish(pending):
+    """Collective: wait for a background save and switch latest to it; its step."""
+    path = pending.wait()
+    return f"{pending.step} to {path}"
 
 
 def load(args, model, stage, mesh, optimizer):
@@ -257,7 +280,7 @@ def main(args):
         x, y = token_data(n=8 * args.batch, seq_len=CONFIG["seq_len"], vocab=CONFIG["vocab"],
                           seed=args.seed + 1)
         batches = batches_of(x, y, args.batch, args.steps)
-        step = start
+        step, pending = start, None
         for step in range(start, args.steps):
             if args.kill_at == step and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
                 dist.barrier()          # rank 0 has logged the steps before: a log in order
@@ -275,9 +298,11 @@ def main(args):
             if args.stop_after is not None and step >= args.stop_after:
                 break
             if args.ckpt and args.save_every and done % args.save_every == 0 and done < args.steps:
-                save(stage, mesh, args, done, losses, optimizer)
+                pending = save(stage, mesh, args, done, losses, optimizer, pending)
         if args.ckpt:
-            save(stage, mesh, args, len(losses), losses, optimizer)
+            pending = save(stage, mesh, args, len(losses), losses, optimizer, pending)
+            if pending is not None:
+                log(f"saved step {finish(pending)}")
         return losses
     finally:
         dist.destroy_process_group()
