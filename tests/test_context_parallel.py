@@ -7,6 +7,7 @@ import torch
 
 import distlab
 from distlab import context_parallel as cp
+from distlab import ulysses
 
 B, H, D = 1, 2, 4
 
@@ -65,6 +66,9 @@ def test_ring_attention_only_talks_to_its_neighbours(world_size):
         assert t.ops(rank).count("all_gather") == 2
         # forward: K, V x (N-1) hops; backward: K, V x (N-1) hops + dK, dV x N hops (home)
         assert len(t.sends(rank)) == 2 * (world_size - 1) + 2 * (world_size - 1) + 2 * world_size
+        # and their bytes are the closed form's that chapter 12 prints beside Ulysses
+        assert sum(b for _, b in t.sends(rank)) == sum(ulysses.communication_per_layer(
+            "ring", 8 * world_size, world_size, H, H, D, itemsize=8))
 
 
 def test_zigzag_balances_causal_work_and_contiguous_does_not():
@@ -100,7 +104,31 @@ def _uneven(rank, world_size, seq_len, causal, kind):
     out = attend(q, k, v, positions, causal=causal)
     weights = torch.linspace(-1, 1, B * H * seq_len * D, dtype=torch.float64).view(B, H, seq_len, D)
     (out * weights[:, :, positions]).sum().backward()
-    return positions, out.detach(), q.grad, k.grad, v.grad
+    got = [positions, out.detach(), q.grad, k.grad, v.grad]
+    if kind == "all_gather":
+        # the same launch: packed documents, whose boundaries cross the ranks' blocks
+        q, k, v = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = cp.all_gather_attention(q, k, v, positions, causal, documents=_documents(seq_len)[positions])
+        (out * weights[:, :, positions]).sum().backward()
+        got += [out.detach(), q.grad, k.grad, v.grad]
+    return got
+
+
+def _documents(seq_len):
+    """Document ids of packed sequences of 2, 4, 1, 3, 2, 4, ... tokens (cut at seq_len)."""
+    lengths = torch.tensor([2, 4, 1, 3] * seq_len)[:seq_len]
+    return torch.repeat_interleave(torch.arange(seq_len), lengths)[:seq_len]
+
+
+def _documents_dense(seq_len, causal):
+    """Dense attention over the whole sequence with a block-diagonal (causal) mask."""
+    q, k, v = [t.requires_grad_() for t in _inputs(seq_len)]
+    docs, pos = _documents(seq_len), torch.arange(seq_len)
+    hidden = (docs[:, None] != docs[None, :]) | ((pos[None, :] > pos[:, None]) & causal)
+    s = (q @ k.transpose(-2, -1)) / D ** 0.5
+    out = torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1) @ v
+    (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
 
 
 @pytest.mark.parametrize("kind,world_size,seq_len,causal", [
@@ -109,10 +137,17 @@ def _uneven(rank, world_size, seq_len, causal, kind):
     ("all_gather", 3, 7, True), ("all_gather", 4, 10, False)])
 def test_blocks_of_unequal_length_equal_dense_attention(kind, world_size, seq_len, causal):
     expected = _dense(seq_len, causal)
-    results = distlab.run(_uneven, world_size, seq_len, causal, kind, timeout=30)
+    results = distlab.run(_uneven, world_size, seq_len, causal, kind, timeout=120)
     assert len({len(positions) for positions, *_ in results}) == 2      # unequal blocks
+    if kind == "all_gather":
+        expected += _documents_dense(seq_len, causal)
+        docs = _documents(seq_len)
+        # a document that spans blocks, and a mask that hides something causality would not
+        assert any(len(set(docs[r[0]].tolist()) & set(docs[o[0]].tolist())) for r, o in
+                   zip(results, results[1:]))
     for positions, *got in results:
-        for name, g, e in zip(("output", "dq", "dk", "dv"), got, expected):
+        names = ("output", "dq", "dk", "dv") * 2
+        for name, g, e in zip(names, got, expected):
             torch.testing.assert_close(g, e[:, :, positions], rtol=1e-12, atol=1e-12,
                                        msg=lambda m: f"{name}: {m}")
 
@@ -230,3 +265,63 @@ def test_the_emulated_ring_exposure_and_zigzag_balance_the_chapter_quotes():
     zigzag, contiguous = [[t[i][2] - t[i][0] for t in run] for i in (4, 5)]
     assert max(zigzag) / min(zigzag) < 1.001                     # balanced in time
     _says(f"{max(contiguous) / max(zigzag):.2f} times zig-zag's")
+
+
+# ---- DeepSpeed-Ulysses: all-to-all between the sequence and the heads ----------------------------
+
+def _ulysses(rank, world_size, seq_len, heads, kv_heads):
+    """Causal Ulysses attention on zig-zag blocks, grouped-query (kv_heads < heads), forward and
+    backward; then the same call with a head count cp does not divide, whose refusal is kept."""
+    positions = cp.zigzag_positions(seq_len, rank, world_size)
+    q, k, v = [t[:, :, positions].clone().requires_grad_()
+               for t in _gqa_inputs(seq_len, heads, kv_heads)]
+    out = ulysses.ulysses_attention(q, k, v, positions, causal=True)
+    weights = torch.linspace(-1, 1, B * heads * seq_len * D, dtype=torch.float64)
+    (out * weights.view(B, heads, seq_len, D)[:, :, positions]).sum().backward()
+    odd = heads // world_size * world_size + 1                    # cp does not divide it
+    try:
+        ulysses.ulysses_attention(*(torch.zeros(B, odd, len(positions), D) for _ in range(3)),
+                                  positions)
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    return positions, out.detach(), q.grad, k.grad, v.grad, refusal
+
+
+def _gqa_inputs(seq_len, heads, kv_heads, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, h, seq_len, D, dtype=torch.float64, generator=g)
+            for h in (heads, kv_heads, kv_heads)]
+
+
+def _gqa_dense(seq_len, heads, kv_heads):
+    q, k, v = [t.requires_grad_() for t in _gqa_inputs(seq_len, heads, kv_heads)]
+    # query head h reads key/value head h // (heads / kv_heads), as in Llama's attention
+    out = cp.dense_attention(q, *(t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v)),
+                             causal=True)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("world_size,heads,kv_heads", [(2, 6, 2), (3, 6, 3)])
+def test_ulysses_equals_dense_attention_and_sends_its_closed_form(world_size, heads, kv_heads):
+    seq_len = 4 * world_size
+    expected = _gqa_dense(seq_len, heads, kv_heads)
+    run = distlab.run(_ulysses, world_size, seq_len, heads, kv_heads, trace=True, timeout=120)
+    for positions, *got, refusal in run:
+        for name, g, e in zip(("output", "dq", "dk", "dv"), got, expected):
+            torch.testing.assert_close(g, e[:, :, positions], rtol=1e-12, atol=1e-12,
+                                       msg=lambda m: f"{name}: {m}")
+        odd = heads // world_size * world_size + 1
+        assert f"{odd} query heads do not split over cp = {world_size}" in refusal
+        assert f"(at most {odd};" in refusal
+    forward, backward = ulysses.communication_per_layer("ulysses", seq_len, world_size, heads,
+                                                        kv_heads, D, itemsize=8)
+    for rank in range(world_size):
+        # four all-to-alls forward (q, k, v to heads; the output back), four backward; each
+        # rank keeps 1/N of what it puts in and sends the rest
+        a2a = [b for op, b in zip(run.trace.ops(rank), (e["bytes"] for e in run.trace.comm(rank)))
+               if op == "all_to_all"]
+        assert len(a2a) == 8
+        assert sum(a2a) * (world_size - 1) / world_size == forward + backward
+        assert sorted(set(run.trace.ops(rank))) == ["all_gather", "all_to_all"]   # no ring

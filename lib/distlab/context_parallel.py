@@ -467,16 +467,39 @@ class _GatherSequence(torch.autograd.Function):
         return out[..., :lengths[dist.get_rank(ctx.group)], :], None, None
 
 
-def all_gather_attention(q, k, v, positions, causal=False, group=None):
+def all_gather_attention(q, k, v, positions, causal=False, group=None, documents=None):
     """Gather every rank's K/V (and positions), then attend locally, skipping what a causal
-    mask hides as ring attention does. The ranks' blocks may hold different numbers of tokens."""
+    mask hides as ring attention does. The ranks' blocks may hold different numbers of tokens.
+
+    documents: the document each token of the block belongs to (packed sequences): a query then
+    sees only the keys of its own document (block-diagonal causal with `causal`). Gathered like
+    the positions; the mask is explicit (a GPU kernel takes the boundaries instead, as
+    FlashAttention's variable-length kernels take cu_seqlens)."""
     _check_block(q, k, v, positions)
     positions = _positions_for(q, positions)
     every = _all_positions(positions, group)
     lengths = [len(p) for p in every]
     k_all = _GatherSequence.apply(k, group, lengths)
     v_all = _GatherSequence.apply(v, group, lengths)
+    if documents is not None:
+        if documents.shape != positions.shape:
+            raise ValueError(f"documents must give one document id per token of the block "
+                             f"({len(positions)}); got shape {tuple(documents.shape)}.")
+        docs_all = _gather_tokens(_positions_for(q, documents).to(torch.int64), lengths, group)
+        return document_attention(q, k_all, v_all, positions, torch.cat(every), documents,
+                                  docs_all, causal)
     return _LocalAttention.apply(q, k_all, v_all, positions, torch.cat(every), causal)
+
+
+def document_attention(q, k, v, q_pos, k_pos, q_docs, k_docs, causal=True):
+    """Attention of q over k, v where a query sees only keys of its own document (and, causal,
+    not after it): the mask of packed sequences. Plain autograd on explicit scores: every query
+    sees at least itself, so no row is empty."""
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    hidden = q_docs.to(s.device)[:, None] != k_docs.to(s.device)[None, :]
+    if causal:
+        hidden = hidden | (k_pos.to(s.device)[None, :] > q_pos.to(s.device)[:, None])
+    return torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1) @ v
 
 
 class _LocalAttention(torch.autograd.Function):
