@@ -539,6 +539,11 @@ def test_llama_count_is_what_a_llama_block_saves():
         tables = cos.untyped_storage().nbytes() + sin.untyped_storage().nbytes()
         counted = sum(zero_memory.llama_activations(s, 1, h, a, f, dtype.itemsize).values())
         assert _saved_bytes(block, x, cos, sin) - tables == counted
+        for kv in (2, 1):           # grouped-query attention: K and V shrink, nothing repeated
+            gqa = zero_memory.LlamaBlock(h, a, f, dtype=dtype, kv_heads=kv)
+            counted = sum(zero_memory.llama_activations(s, 1, h, a, f, dtype.itemsize,
+                                                        kv_heads=kv).values())
+            assert _saved_bytes(gqa, x, cos, sin) - tables == counted
     # in bf16 at Llama-2 7B's shape: 32 + 8·ffn/hidden bytes per token and hidden unit
     L2 = zero_memory.LLAMA2_7B
     per = sum(zero_memory.llama_activations(4096, 1, L2["hidden"], L2["heads"], L2["ffn"]).values())
@@ -712,12 +717,14 @@ def test_the_widget_counts_llama_as_the_chapter_does():
                                           attention="materialized", **kw) == flash
     assert memory.preset_activation_bytes("Llama-2 13B", attention="materialized", **kw) == \
         flash + 40 * (2 * 40 * 2048 ** 2 * 2 - 4 * 40 * 2048 * 2)
-    # the 70B preset (grouped-query attention) keeps the GPT block's count, as the prose says
-    assert memory.preset_activation_bytes("Llama-2 70B") == \
-        memory.activation_bytes(2048, 1, 8192, 80, 64)
+    # the 70B preset is a Llama block with grouped-query attention (8 K/V heads), as the prose says
+    assert memory.preset_activation_bytes("Llama-2 70B") == 80 * sum(
+        zero_memory.llama_activations(2048, 1, 8192, 64, 28672, kv_heads=8).values())
+    assert memory.preset_activation_bytes("Llama-2 70B") < 80 * sum(
+        zero_memory.llama_activations(2048, 1, 8192, 64, 28672).values())
     prose, _ = _notebook("06_memory_and_zero.ipynb")
-    assert "it counts Llama-2 7B and 13B with Llama's own block" in prose
-    assert "Llama-2 70B too, whose grouped-query attention" in prose
+    assert "it counts the three Llama-2 models with Llama's own block" in prose
+    assert "70B with its grouped-query attention, 8 K/V heads for 64 query heads" in prose
     with pytest.raises(ValueError, match="recompute must be one of"):
         memory.preset_activation_bytes("Llama-2 7B", checkpointing="half")
 

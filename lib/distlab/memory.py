@@ -155,7 +155,8 @@ PRESETS = {
     "Llama-2 70B": (69e9, 80, 8192, 64),
     "GPT-3 175B": (175e9, 96, 12288, 96),
 }
-def llama_activations(seq_len, batch, hidden, heads, ffn, bytes_per_value=2, recompute="none"):
+def llama_activations(seq_len, batch, hidden, heads, ffn, bytes_per_value=2, recompute="none",
+                      kv_heads=None):
     """{what: bytes} ONE eager Llama block (LlamaBlock) keeps for backward.
 
     v = bytes_per_value (2 in bf16); nn.RMSNorm computes in float32 whatever the model's dtype
@@ -168,7 +169,11 @@ def llama_activations(seq_len, batch, hidden, heads, ffn, bytes_per_value=2, rec
     projection's input). No dropout: Llama has none. recompute="full" keeps the block's input.
     Per token and hidden unit in bf16: 32 + 8·ffn/hidden bytes (53.5 for Llama-2 7B) against
     the GPT block's 34 (memory.activation_breakdown).
+    kv_heads (grouped-query attention, Ainslie et al. 2023): K and V are kv_heads/heads of Q's
+    size, in the projection's output and after the rotary embedding; scaled_dot_product_attention
+    with enable_gqa keeps no repeated copy (measured: tests/test_ch06.py).
     """
+    kv = (kv_heads or heads) / heads
     recompute = {False: "none", None: "none", True: "full"}.get(recompute, recompute)
     if recompute not in ("none", "full"):
         raise ValueError(f"recompute must be 'none' or 'full' for this count; got {recompute!r} "
@@ -182,8 +187,8 @@ def llama_activations(seq_len, batch, hidden, heads, ffn, bytes_per_value=2, rec
         "RMSNorm: input and normalised value in float32, 1/rms (two norms)": 2 * (2 * n * sbh
                                                                                  + 4 * sb),
         "norm outputs (the q/k/v and gate/up matmul inputs)": 2 * v * sbh,
-        "q/k/v projection output": 3 * v * sbh,
-        "q and k after the rotary embedding": 2 * v * sbh,
+        "q/k/v projection output": round((1 + 2 * kv) * v * sbh),
+        "q and k after the rotary embedding": round((1 + kv) * v * sbh),
         "attention output": v * sbh,
         "log-sum-exp (float32)": 4 * heads * sb,
         "SwiGLU: gate and up, SiLU(gate), their product": 4 * v * sbf,
@@ -191,12 +196,12 @@ def llama_activations(seq_len, batch, hidden, heads, ffn, bytes_per_value=2, rec
 
 
 # The presets whose activations are a Llama block's (llama_activations, below: RMSNorm in
-# float32, rotary embeddings, SwiGLU at this ffn size, no dropout), by their SwiGLU size:
-# Touvron et al. 2023, table 1, and the models' config.json (intermediate_size). The others are
-# GPT blocks (Korthikanti's count, above). Llama-2 70B keeps the GPT block's count: it uses
-# grouped-query attention (8 K/V heads), which llama_activations, measured on a full-head block,
-# does not model.
-LLAMA_FFN = {"Llama-2 7B": 11008, "Llama-2 13B": 13824}
+# float32, rotary embeddings, SwiGLU at this ffn size, no dropout), by their SwiGLU size, and
+# their K/V heads where attention is grouped-query: Touvron et al. 2023, table 1 (70B: GQA with
+# 8 K/V heads, section 2.2), and the models' config.json (intermediate_size, num_key_value_heads).
+# The others are GPT blocks (Korthikanti's count, above).
+LLAMA_FFN = {"Llama-2 7B": 11008, "Llama-2 13B": 13824, "Llama-2 70B": 28672}
+LLAMA_KV_HEADS = {"Llama-2 70B": 8}
 
 
 def preset_activation_bytes(model, seq_len=2048, micro_batch=1, checkpointing=False,
@@ -219,8 +224,9 @@ def preset_activation_bytes(model, seq_len=2048, micro_batch=1, checkpointing=Fa
         raise ValueError(f"recompute must be one of {RECOMPUTATION} (or True/False); "
                          f"got {checkpointing!r}.")
     kept = "full" if recompute == "full" else "none"
-    per_block = sum(llama_activations(seq_len, micro_batch, hidden, heads,
-                                      LLAMA_FFN[model], recompute=kept).values())
+    per_block = sum(llama_activations(seq_len, micro_batch, hidden, heads, LLAMA_FFN[model],
+                                      recompute=kept,
+                                      kv_heads=LLAMA_KV_HEADS.get(model)).values())
     if attention == "materialized" and recompute == "none":
         per_block += 2 * heads * seq_len * seq_len * micro_batch - 4 * heads * seq_len * micro_batch
     return layers * per_block
@@ -229,7 +235,7 @@ def preset_activation_bytes(model, seq_len=2048, micro_batch=1, checkpointing=Fa
 def per_gpu_bytes(model, precision="bf16-mixed", optimizer="adam", zero_stage=0, world_size=1,
                   seq_len=2048, micro_batch=1, checkpointing=False, attention="flash"):
     """Everything one data-parallel GPU holds for a preset model: model states + activations
-    (preset_activation_bytes: a Llama block for the Llama-2 7B and 13B presets)."""
+    (preset_activation_bytes: a Llama block for the Llama-2 presets)."""
     n = PRESETS[model][0]
     out = model_state_bytes(n, precision, optimizer, zero_stage, world_size)
     out["activations"] = preset_activation_bytes(model, seq_len, micro_batch, checkpointing,

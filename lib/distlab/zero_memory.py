@@ -35,13 +35,16 @@ class LlamaBlock(nn.Module):
     SwiGLU (fused gate/up projection, SiLU, product, down projection); no biases, no dropout.
     Builds on the meta device as well (`with torch.device("meta")`)."""
 
-    def __init__(self, hidden, heads, ffn, eps=1e-5, dtype=None):
+    def __init__(self, hidden, heads, ffn, eps=1e-5, dtype=None, kv_heads=None):
         super().__init__()
-        if hidden % heads:
-            raise ValueError(f"hidden = {hidden} does not split into {heads} heads.")
-        self.heads = heads
+        kv_heads = kv_heads or heads
+        if hidden % heads or heads % kv_heads:
+            raise ValueError(f"hidden = {hidden} must split into {heads} heads, and the heads "
+                             f"into groups of {kv_heads} K/V heads (grouped-query attention).")
+        self.heads, self.kv_heads = heads, kv_heads
+        kv = kv_heads * (hidden // heads)
         self.norm1 = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
-        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False, dtype=dtype)
+        self.qkv = nn.Linear(hidden, hidden + 2 * kv, bias=False, dtype=dtype)
         self.out = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
         self.norm2 = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
         self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False, dtype=dtype)
@@ -49,10 +52,14 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x, cos, sin):
         b, s, h = x.shape
-        q, k, v = (z.view(b, s, self.heads, h // self.heads).transpose(1, 2)
-                   for z in self.qkv(self.norm1(x)).chunk(3, dim=-1))
+        d = h // self.heads
+        q, k, v = self.qkv(self.norm1(x)).split([h, self.kv_heads * d, self.kv_heads * d], -1)
+        q = q.view(b, s, self.heads, d).transpose(1, 2)
+        k, v = (z.view(b, s, self.kv_heads, d).transpose(1, 2) for z in (k, v))
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # enable_gqa: each K/V head serves heads/kv_heads query heads without a repeated copy
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.kv_heads != self.heads)
         x = x + self.out(y.transpose(1, 2).reshape(b, s, h))
         gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
