@@ -477,3 +477,28 @@ def test_context_parallel_against_recompute_and_tp_as_the_chapter_quotes():
     ratio = per_token / (2 * model.params())
     assert round(ratio) == 5
     _says("attention at 262k tokens is about five times the dense FLOPs")
+
+
+def test_the_ulysses_and_grouped_query_numbers_the_chapter_quotes():
+    """Section 5's bytes: Q against K + V per token (why a ring rotates K/V), and what ring,
+    all-gather and Ulysses send per rank per layer at 131,072 tokens (ulysses'
+    communication_per_layer, which test_context_parallel checks against a traced run)."""
+    from distlab import ulysses
+    q_bytes, kv_bytes = 128 * 128 * 2, 2 * 8 * 128 * 2            # Llama 3 405B, bf16
+    _says(f"rotating queries and outputs would move {2 * q_bytes // kv_bytes} times the bytes of "
+          f"rotating K and V")
+    assert 2 * (32 * 128 * 2) == 2 * 32 * 128 * 2                    # Llama-2 7B: the same
+
+    def sent(way, heads, kv_heads, n):
+        return sum(ulysses.communication_per_layer(way, 131_072, n, heads, kv_heads)) / 2 ** 20
+    mha = [sent(w, 32, 32, 8) for w in ("ulysses", "ring", "all-gather")]
+    _says("at *cp* = 8, Llama-2 7B's Ulysses sends {:,.0f} MiB per rank against the ring's {:,.0f} "
+          "and all-gather's {:,.0f}".format(*mha))
+    gqa = [sent(w, 128, 8, 8) for w in ("ulysses", "ring", "all-gather")]
+    _says("at *cp* = 8 sends {:,.0f} MiB against the ring's {:,.0f} and all-gather's {:,.0f}; past 8 "
+          "key/value heads it is refused".format(*gqa))
+    with pytest.raises(ValueError, match="8 key/value heads do not split over cp = 16"):
+        ulysses.check_heads(128, 8, 16)
+    # the ring's bytes per rank hardly fall with cp, Ulysses' shrink as 1/cp
+    assert sent("ring", 32, 32, 16) > sent("ring", 32, 32, 2)
+    assert sent("ulysses", 32, 32, 16) == pytest.approx(sent("ulysses", 32, 32, 2) * (15 / 16) / (1 / 2) / 8)
