@@ -382,3 +382,55 @@ def test_chapter_07_prose_numbers_are_computed():
     assert max(abs(m / p - 1) for m, p in zip(model, (138, 142, 135))) < 0.08
     assert "within 8 %" in prose
     assert f"{shares[0]} at tp = 2, {shares[1]} at tp = 4, {shares[2]} at tp = 8" in prose
+
+
+def test_chapter_07_vocab_gqa_rng_and_korthikanti_prose_is_computed():
+    """The numbers the new sections of chapter 07 quote, recomputed (no launch)."""
+    import inspect
+    import pathlib
+    import re
+
+    import nbformat
+
+    from distlab import memory
+    from distlab import tensor_parallel as tpm
+    from distlab import vocab_parallel as vp
+    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "07_tensor_parallel.ipynb"
+    cells = nbformat.read(path, as_version=4).cells
+    prose = " ".join("\n".join(c.source for c in cells if c.cell_type == "markdown").split())
+    outputs = "\n".join(o.get("text", "") for c in cells if c.cell_type == "code"
+                        for o in c.get("outputs", []))
+    # GQA: Llama-3's 8 K/V heads; 70B at tp = 16 holds each twice; MQA replicates from tp = 2
+    assert "Llama-3 has 8 K/V heads" in prose
+    copies = {2: "twice"}[tpm.kv_head_split(64, 8, 16)["copies"]]
+    assert f"Llama-3 70B at tp = 16 keeps, on every rank, {copies} the K/V" in prose
+    assert tpm.kv_head_split(8, 1, 2)["copies"] > 1 and tpm.kv_head_split(8, 1, 1)["copies"] == 1
+    assert "Gemma 2B) replicates K and V on every rank from tp = 2" in prose
+    assert "4/1 (×2)" in outputs and "refused" in outputs
+    # the RNG tracker's offset, as the prose and Megatron-LM have it
+    assert "seed + 2718 + tp_rank" in prose and "2718" in inspect.getsource(tpm.model_parallel_seed)
+    # the vocabulary: the tiny GPT's 64 entries over 3 ranks, padded; Megatron's 128·tp
+    assert f"vocabulary of 64 (padded to {vp.padded_vocab_size(64, 3)})" in prose
+    assert f"logits shard (2, 6, {vp.padded_vocab_size(64, 3) // 3})" in outputs
+    assert f"largest message {2 * 6 * 8 * 8} B" in outputs and "hidden state (2·6·8 float64)" in prose
+    assert vp.padded_vocab_size(128256, 8, multiple_of=128) % (128 * 8) == 0
+    assert "multiple of 128·tp" in prose
+    # Korthikanti beside the measurement: within 2 %, and the formulas' coefficients
+    measured = {label.strip(): float(kib) * 1024 for label, kib in re.findall(
+        r"^\s*([\w +()]+): +(\d+\.\d) KiB saved for backward per rank", outputs, re.M)}
+    assert len(measured) == 3
+    s, b, h, a, t = 64, 8, 32, 4, 4
+    gathered = 2 * 4 * s * b * h * (1 - 1 / t)
+    for label, kw in {"dense (1 rank)": dict(tp=1), "TP": dict(tp=t),
+                      "TP + SP": dict(tp=t, sequence_parallel=True)}.items():
+        count = sum(memory.activation_breakdown(s, b, h, a, bytes_per_value=4, dropout=False,
+                                                **kw).values())
+        count += gathered if "SP" in label else 0
+        assert abs(measured[label] / count - 1) < 0.02, label
+        paper = memory.activation_breakdown(s, b, h, a, attention="materialized", **kw)
+        rest = (sum(paper.values()) - paper["s×s attention scores"]) / (s * b * h)
+        assert rest == {1: 34, 4: 34 / 4 if "SP" in label else 10 + 24 / 4}[kw["tp"]]
+    assert "lands within 2 % of each measurement" in prose
+    # the logits at Llama-3's size
+    size = vp.logits_bytes(8192, 128256, tp=8)
+    assert f"{size['full logits'] / 2**30:.2f} GiB" in outputs

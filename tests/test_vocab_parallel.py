@@ -128,8 +128,8 @@ def test_padding_and_refusals():
     with pytest.raises(ValueError, match="must be >= 1"):
         vp.padded_vocab_size(0, 2)
     sizes = vp.logits_bytes(8192, 128256, tp=8)
-    assert sizes["full logits"] == 8 * sizes["one rank's shard"] == 8192 * 128256 * 4
-    assert sizes["the loss's all-reduces"] == 3 * 8192 * 4
+    assert sizes["full logits"] == 8 * sizes["shard"] == 8192 * 128256 * 4
+    assert sizes["all-reduced"] == 3 * 8192 * 4
 
 
 def test_kv_head_split():

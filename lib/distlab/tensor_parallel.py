@@ -5,6 +5,9 @@
     ParallelMLP            column → GELU → row: one all-reduce forward, one backward (Megatron)
     ParallelAttention      q, k, v column-parallel by heads; the output projection row-parallel
     ParallelBlock          distlab.models.Block, tensor parallel, optionally sequence parallel
+    kv_head_split          how far grouped-query attention's K/V heads split, and their copies
+    model_parallel_seed    dropout's two random streams under TP (Megatron's RNG tracker)
+(The vocabulary-parallel embedding, LM head and loss live in distlab.vocab_parallel.)
 
 The communication lives in `distlab.tp_comm` as autograd Functions; the layers only choose which
 one to use where. Every layer takes its process group explicitly, and `from_dense` builds it from

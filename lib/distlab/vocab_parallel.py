@@ -202,9 +202,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, column, mine = ctx.saved_tensors
-        onehot = F.one_hot(column, softmax.shape[-1]).to(softmax.dtype)
-        grad = (softmax - onehot * mine.unsqueeze(-1)) * grad_loss.unsqueeze(-1)
-        return grad.to(ctx.logits_dtype), None, None, None
+        # subtract 1 at the target, on the rank that holds it: a scatter, not a (tokens × V/tp)
+        # one-hot matrix, which at a 128k vocabulary would cost as much as the logits
+        grad = softmax.scatter_add(-1, column.unsqueeze(-1), -mine.unsqueeze(-1).to(softmax.dtype))
+        return (grad * grad_loss.unsqueeze(-1)).to(ctx.logits_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_shard, target, vocab_size, group=None):
@@ -223,10 +224,10 @@ def vocab_parallel_cross_entropy(logits_shard, target, vocab_size, group=None):
 
 
 def logits_bytes(tokens, vocab_size, tp=1, bytes_per_value=4):
-    """{"full logits", "one rank's shard", "the loss's all-reduces"}: bytes of the (tokens × V)
+    """{"full logits", "shard", "all-reduced"}: bytes of the (tokens × V)
     logits (float32, as the loss computes them), of one rank's padded shard, and of the per-token
     numbers the vocab-parallel loss all-reduces instead (max; sum of exps and target logit)."""
     rows = padded_vocab_size(vocab_size, tp) // tp
     return {"full logits": tokens * vocab_size * bytes_per_value,
-            "one rank's shard": tokens * rows * bytes_per_value,
-            "the loss's all-reduces": 3 * tokens * bytes_per_value}
+            "shard": tokens * rows * bytes_per_value,
+            "all-reduced": 3 * tokens * bytes_per_value}
