@@ -520,3 +520,31 @@ def test_choose_layout_refuses_wrong_answers_and_the_planners_ranking():
 def distlab_layout():
     from distlab import layout
     return layout
+
+
+# ---- chapter 10b: the numbers its prose quotes about checkpoints, recomputed (issue 31) ----------
+
+def _chapter_10b():
+    import pathlib
+    import nbformat
+    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "10b_running_at_scale.ipynb"
+    return nbformat.read(path, as_version=4).cells
+
+
+def test_checkpoint_numbers_the_10b_prose_quotes():
+    from distlab import checkpoint, layout
+    text = _prose(_chapter_10b())
+    c = checkpoint.save_costs(layout.SHAPES["Llama-2 70B"], dp=1, pp=8, tp=8)
+    ratio = c["dense_held"] / c["sharded_held"]
+    assert f"room for {c['dense_held'] / 1e9:.1f} GB — the whole stage, {ratio:.1f}× the rank's" in text
+    assert f"{ratio:.1f}× more at 70B on tp=8 × pp=8" in text and c["dense_held"] > 80e9
+    assert (checkpoint.LLAMA3_INTERRUPTIONS, checkpoint.LLAMA3_DAYS, checkpoint.LLAMA3_GPUS) == \
+        (419, 54, 16384)
+    assert "419 interruptions in 54 days on 16,384 GPUs" in text
+    big, small = checkpoint.mtbf_seconds(16384), checkpoint.mtbf_seconds(64)
+    tau = checkpoint.young_daly(120, big)
+    assert f"a failure comes every {big / 3600:.1f} hours, and a 2-minute save is best made every " \
+           f"{tau / 60:.0f} minutes — still losing {100 * checkpoint.lost_fraction(tau, 120, big):.1f} %" in text
+    assert f"best every {checkpoint.young_daly(120, small) / 3600:.1f} hours" in text
+    fast = checkpoint.young_daly(10, big)
+    assert f"loses {100 * checkpoint.lost_fraction(fast, 10, big):.1f} %" in text

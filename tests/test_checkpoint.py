@@ -34,6 +34,21 @@ def uninterrupted(whole_folder):
     return checkpoint.read(whole_folder)
 
 
+@pytest.fixture(scope="module")
+def stopped_folder(tmp_path_factory):
+    """A tp=2 run stopped after its second step (it saved step 2); tests resume COPIES of it,
+    so the run that several of them start from is trained once."""
+    folder = tmp_path_factory.mktemp("stopped")
+    run_here("--dp", 1, "--pp", 1, "--tp", 2, "--ckpt", folder, "--stop-after", 1)
+    return str(folder)
+
+
+def stopped_in(stopped_folder, folder):
+    """A copy of the stopped run's checkpoint folder in `folder`, read back."""
+    shutil.copytree(stopped_folder, folder, dirs_exist_ok=True)
+    return checkpoint.read(str(folder))
+
+
 def test_the_written_adam_is_torchs_adam_bit_for_bit():
     torch.manual_seed(0)
     mine, theirs = torch.nn.Linear(5, 3).double(), torch.nn.Linear(5, 3).double()
@@ -51,8 +66,8 @@ def test_the_written_adam_is_torchs_adam_bit_for_bit():
 
 
 def test_saved_under_tp2_resumed_under_pp2_equals_the_uninterrupted_run_bit_for_bit(
-        uninterrupted, tmp_path):
-    stopped = run_here("--dp", 1, "--pp", 1, "--tp", 2, "--ckpt", tmp_path, "--stop-after", 1)
+        uninterrupted, stopped_folder, tmp_path):
+    stopped = stopped_in(stopped_folder, tmp_path)
     assert stopped["meta"]["step"] == 2 and stopped["meta"]["next_sample"] == 2 * 8
     assert stopped["optim"]["step"] == 2 and len(stopped["rng"]) == 2
     # Another layout (4 ranks: blocks cut into 2 stages, each tensor-parallel over 2) reads the
@@ -66,9 +81,10 @@ def test_saved_under_tp2_resumed_under_pp2_equals_the_uninterrupted_run_bit_for_
             assert torch.equal(resumed[part][name], value), f"{part}.{name}"
 
 
-def test_saved_under_tp2_resumed_under_dp2_matches_to_rounding(uninterrupted, tmp_path):
+def test_saved_under_tp2_resumed_under_dp2_matches_to_rounding(uninterrupted, stopped_folder,
+                                                              tmp_path):
     """tp=1 sums each row-parallel product in one piece, not two: equal to rounding only."""
-    run_here("--dp", 1, "--pp", 1, "--tp", 2, "--ckpt", tmp_path, "--stop-after", 1)
+    stopped_in(stopped_folder, tmp_path)
     resumed = run_here("--dp", 2, "--pp", 1, "--tp", 1, "--ckpt", tmp_path)
     # Adam divides by sqrt(v): the last bits of float64 grow to ~5e-13 in the parameters.
     assert resumed["meta"]["losses"] == pytest.approx(uninterrupted["meta"]["losses"], abs=1e-11)
@@ -183,13 +199,13 @@ def _killed_while_writing(rank, world_size, args, victim):
 
 @pytest.mark.parametrize("steps", [2, 4], ids=["the same step again", "the next step"])
 def test_a_save_killed_inside_the_write_leaves_the_previous_checkpoint_whole(
-        uninterrupted, tmp_path, steps):
+        uninterrupted, stopped_folder, tmp_path, steps):
     """A re-run that saves the step `latest` already points at (a requeued job, a resume with
     --steps <= the saved step) must not rewrite the only good checkpoint in place; nor may the
     save of a later step touch it."""
     import distlab
     layout = ["--dp", 1, "--pp", 1, "--tp", 2, "--ckpt", tmp_path]
-    good = run_here(*layout, "--stop-after", 1)              # saves step 2
+    good = stopped_in(stopped_folder, tmp_path)              # saved step 2
     assert good["meta"]["step"] == 2
     # resumes at step 2, trains up to `steps` and saves it: rank 1 dies inside that save
     args = train.parse(COMMON + [str(o) for o in layout] + ["--steps", str(steps)])

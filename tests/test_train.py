@@ -40,6 +40,21 @@ def uninterrupted(tmp_path_factory):
     return folder, out
 
 
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """dp=2 x tp=2 stopped after its second step (it saved step 2): trained once, resumed from
+    copies."""
+    folder = tmp_path_factory.mktemp("stopped")
+    train._launch_here(train.parse(["--dtype", "float64", "--steps", "5", "--dp", "2", "--pp", "1",
+                                    "--tp", "2", "--ckpt", str(folder), "--stop-after", "1"]))
+    return folder
+
+
+def copy_of(stopped, folder):
+    import shutil
+    shutil.copytree(stopped, folder, dirs_exist_ok=True)
+
+
 def test_torchrun_trains_and_only_rank_0_logs(uninterrupted):
     folder, out = uninterrupted
     lines = out.splitlines()
@@ -49,10 +64,10 @@ def test_torchrun_trains_and_only_rank_0_logs(uninterrupted):
     assert state["step"] == 5 and len(state["losses"]) == 5
 
 
-def test_a_resumed_run_continues_with_identical_losses(uninterrupted, tmp_path, capsys):
-    # torchrun's own restart after kill -9 is tested in test_checkpoint and shown in ch10.
+def test_a_resumed_run_continues_with_identical_losses(uninterrupted, stopped, tmp_path, capsys):
+    # torchrun's own restart after kill -9 is tested in test_checkpoint and shown in ch10b.
     whole = checkpoint(uninterrupted[0])
-    here(capsys, "--dp", "2", "--pp", "1", "--tp", "2", "--ckpt", str(tmp_path), "--stop-after", "1")
+    copy_of(stopped, tmp_path)
     stopped = checkpoint(tmp_path)
     assert stopped["step"] == 2 and stopped["losses"] == whole["losses"][:2]
     out = here(capsys, "--dp", "2", "--pp", "1", "--tp", "2", "--ckpt", str(tmp_path))
@@ -64,10 +79,10 @@ def test_a_resumed_run_continues_with_identical_losses(uninterrupted, tmp_path, 
         assert torch.equal(resumed["model"][name], value), name
 
 
-def test_a_checkpoint_resumes_under_another_layout(uninterrupted, tmp_path, capsys):
-    """The checkpoint holds the dense model, so dp=2 x tp=2 can continue as pp=2 x tp=2."""
+def test_a_checkpoint_resumes_under_another_layout(uninterrupted, stopped, tmp_path, capsys):
+    """DCP reshards the saved DTensor shards, so dp=2 x tp=2 can continue as pp=2 x tp=2."""
     whole = checkpoint(uninterrupted[0])
-    here(capsys, "--dp", "2", "--pp", "1", "--tp", "2", "--ckpt", str(tmp_path), "--stop-after", "1")
+    copy_of(stopped, tmp_path)
     here(capsys, "--dp", "1", "--pp", "2", "--tp", "2", "--ckpt", str(tmp_path))
     resumed = checkpoint(tmp_path)
     # Another layout sums in another order: equal to rounding, not bit for bit.

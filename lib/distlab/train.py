@@ -207,7 +207,8 @@ def load(args, model, stage, mesh, optimizer):
         meta = ckpt.load(path, stage, mesh, optimizer)
     except ckpt.BrokenCheckpoint as e:      # a rank file of the right size, but garbage
         refuse(str(e))
-    log(f"resumed from {path} at step {meta['step']}")
+    log(f"resumed from {path} at step {meta['step']}; rank 0 read {meta['read_bytes']} bytes of "
+        f"tensors")
     return meta["step"], meta["losses"]
 
 
