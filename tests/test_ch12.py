@@ -502,3 +502,15 @@ def test_the_ulysses_and_grouped_query_numbers_the_chapter_quotes():
     # the ring's bytes per rank hardly fall with cp, Ulysses' shrink as 1/cp
     assert sent("ring", 32, 32, 16) > sent("ring", 32, 32, 2)
     assert sent("ulysses", 32, 32, 16) == pytest.approx(sent("ulysses", 32, 32, 2) * (15 / 16) / (1 / 2) / 8)
+
+
+def test_the_striped_balance_the_chapter_quotes():
+    """Section 4's striped layout: busiest rank / mean over a ring's steps, 4 ranks."""
+    ratios = []
+    for c in (4, 4_096):
+        held = [cp.striped_positions(4 * c, r, 4) for r in range(4)]
+        work = [sum(cp.plan_work(cp.block_plan(held[r], held[(r - s) % 4], causal=True))
+                    for s in range(4)) for r in range(4)]
+        ratios.append(max(work) * 4 / sum(work))
+    _says("at 4 tokens per rank the busiest rank does {:.4f} times the mean, at 4,096 tokens per "
+          "rank {:.4f} times".format(*ratios))

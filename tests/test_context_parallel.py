@@ -25,8 +25,9 @@ def _dense(seq_len, causal):
 
 
 def _sharded(rank, world_size, seq_len, causal, layout, kind):
-    positions = (cp.zigzag_positions if layout == "zigzag" else cp.contiguous_positions)(
-        seq_len, rank, world_size)
+    place = dict(zigzag=cp.zigzag_positions, contiguous=cp.contiguous_positions,
+                 striped=cp.striped_positions)[layout]
+    positions = place(seq_len, rank, world_size)
     q, k, v = [t[:, :, positions].clone().requires_grad_() for t in _inputs(seq_len)]
     attend = cp.ring_attention if kind == "ring" else cp.all_gather_attention
     out = attend(q, k, v, positions, causal=causal)
@@ -37,7 +38,7 @@ def _sharded(rank, world_size, seq_len, causal, layout, kind):
 
 @pytest.mark.parametrize("kind,world_size,layout,causal", [
     ("ring", 1, "contiguous", True), ("ring", 2, "zigzag", True), ("ring", 3, "contiguous", False),
-    ("ring", 3, "zigzag", True), ("ring", 4, "contiguous", True), ("ring", 5, "zigzag", True),
+    ("ring", 3, "zigzag", True), ("ring", 4, "contiguous", True), ("ring", 5, "striped", True),
     ("all_gather", 3, "zigzag", True), ("all_gather", 4, "contiguous", False)])
 def test_context_parallel_attention_equals_dense_attention(kind, world_size, layout, causal):
     seq_len = 4 * world_size
@@ -187,6 +188,21 @@ def test_the_explicit_mask_path_a_gpu_takes_equals_the_cpu_flash_kernel(causal, 
     masked = cp.block_attention(q[:, :, :4], k, v, q_pos, k_pos, causal, 0.5)
     for a, b in zip(flash, masked):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+
+
+def test_striped_blocks_are_one_causal_kernel_per_step_and_balanced():
+    """Brandon et al.'s striped layout: against an earlier-offset block one causal kernel, against
+    a later one the same kernel shifted by a row (query i sees keys j < i); equal up to a diagonal."""
+    mine, earlier, later = (cp.striped_positions(16, r, 4) for r in (1, 0, 2))
+    assert cp.block_plan(mine, earlier, True) == [((0, 4), [((0, 4), cp.DIAGONAL)])]
+    assert cp.block_plan(mine, later, True) == [((1, 4), [((0, 3), cp.DIAGONAL)])]
+    assert cp.block_plan(mine, mine, True) == [((0, 4), [((0, 4), cp.DIAGONAL)])]
+    assert cp._stripes(cp.zigzag_positions(16, 1, 4), cp.zigzag_positions(16, 2, 4)) is None
+    for c, worst in ((4, 1.2), (4096, 1.0002)):
+        held = [cp.striped_positions(4 * c, r, 4) for r in range(4)]
+        work = [sum(cp.plan_work(cp.block_plan(held[r], held[(r - s) % 4], True))
+                    for s in range(4)) for r in range(4)]
+        assert max(work) / (sum(work) / 4) < worst
 
 
 def test_meta_positions_are_refused_in_a_sentence():

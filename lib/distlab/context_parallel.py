@@ -16,7 +16,8 @@ query to meet every key, so the key/value blocks must travel:
 
 Causal attention makes blocks unequal: with contiguous blocks, rank 0's queries see only their
 own block while the last rank's see everything. `zigzag_positions` gives rank r the chunks r and
-2N−1−r of 2N, so every rank does the same work. The mask is built from positions (key position
+2N−1−r of 2N, so every rank does the same work; `striped_positions` gives it every N-th token
+(striped attention), equal up to one diagonal per step. The mask is built from positions (key position
 ≤ query position), whatever the layout: `block_plan` cuts a block into runs of consecutive
 positions, skips the pairs of runs the mask hides entirely, runs a block against itself as one
 causal flash kernel (half the work) and the rest as full kernels — so the work, and the emulated
@@ -63,6 +64,13 @@ def zigzag_positions(seq_len, rank, world_size):
     first, second = rank, 2 * world_size - 1 - rank
     return torch.cat([torch.arange(first * n, (first + 1) * n),
                       torch.arange(second * n, (second + 1) * n)])
+
+
+def striped_positions(seq_len, rank, world_size):
+    """Rank r holds tokens r, r + N, r + 2N, ... (striped attention, Brandon et al. 2023): every
+    rank's block spreads over the whole sequence, so causal work is equal up to one diagonal."""
+    _check_divides(seq_len, world_size, "striped")
+    return torch.arange(rank, seq_len, world_size)
 
 
 def causal_work(positions_per_rank):
@@ -140,6 +148,9 @@ def block_plan(q_pos, k_pos, causal):
     when DIAGONAL) or PARTIAL (a masked kernel); fully masked pairs are left out, and query rows
     that see no key of the block are not listed. Adjacent query runs that see the same keys
     share one kernel, and so do adjacent key runs they see in full."""
+    stripes = _stripes(q_pos, k_pos) if causal else None
+    if stripes is not None:
+        return stripes
     qruns, kruns = _runs(q_pos), _runs(k_pos)
     if causal and qruns and qruns == kruns and all(a[2] < b[2] for a, b in zip(qruns, qruns[1:])):
         # A block against itself, positions increasing: key j is visible to query i exactly when
@@ -171,6 +182,23 @@ def block_plan(q_pos, k_pos, causal):
         if pieces:
             plan.append(((qa, qb), pieces))
     return plan
+
+
+def _stripes(q_pos, k_pos):
+    """The plan of two striped blocks (stride N, offsets below N, as many keys as queries), or
+    None. Query i (position i·N + a) sees key j (j·N + b) when j ≤ i if b ≤ a: one causal
+    kernel; when j < i if b > a: one causal kernel of queries 1.. against keys ..c−1."""
+    if q_pos.device.type == "meta" or len(q_pos) < 2 or len(q_pos) != len(k_pos):
+        return None
+    q, k = q_pos.detach().cpu().numpy(), k_pos.detach().cpu().numpy()
+    stride = int(q[1] - q[0])
+    if stride < 2 or not all(((x[1:] - x[:-1]) == stride).all() and 0 <= x[0] < stride
+                             for x in (q, k)):
+        return None
+    c = len(q)
+    if k[0] <= q[0]:
+        return [((0, c), [((0, c), DIAGONAL)])]
+    return [((1, c), [((0, c - 1), DIAGONAL)])]
 
 
 def _rows(x, span):
