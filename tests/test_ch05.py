@@ -855,10 +855,12 @@ def test_ddp_script_rejects(fn, words):
 
 # ---- chapter 05's performance lessons: every number its prose quotes, recomputed ----------------
 
-def _chapter_text():
+def _chapter_text(name="05_data_parallel.ipynb"):
+    """A chapter's markdown, whitespace joined: chapter 05, or 05b (its sections at scale and in
+    production) with name="05b_data_parallel_in_practice.ipynb"."""
     import pathlib
     import nbformat
-    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "05_data_parallel.ipynb"
+    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / name
     cells = nbformat.read(path, as_version=4).cells
     return " ".join("\n".join(c.source for c in cells if c.cell_type == "markdown").split())
 
@@ -904,7 +906,9 @@ def test_performance_numbers_the_prose_quotes():
     import distlab
     from distlab import cost, emulate, models
     from distlab.data_parallel import GPT3_XL, gpt_step, predict_step
+    import inspect
     text = _chapter_text()
+    text_b = _chapter_text("05b_data_parallel_in_practice.ipynb")
     P = emulate.PRESETS
     # -- the MLP on a calibrated A100 node: launch-bound, overlap buys nothing -------------------
     device, intra = P["a100-node"].device, P["a100-node"].intra
@@ -927,10 +931,24 @@ def test_performance_numbers_the_prose_quotes():
             steps[preset, overlap] = max(r[1] for r in ranks)
             timelines[preset, overlap] = ranks[0][0]
             if (preset, overlap) == ("a100-node", True):
-                # the construction broadcast, one per tensor, before the step
-                casts = [e for e in ranks.trace.comm(0) if e["op"] == "broadcast"]
+                # the construction broadcast, one per tensor, the trace's first bar
+                casts = ranks.trace.comm(0, op="broadcast")
+                assert ranks.trace.comm(0)[:len(casts)] == casts and len(casts) == 18
                 took = casts[-1]["end"] - casts[0]["start"]
-                assert f"({len(casts)} broadcasts, {took * 1e6:.0f} µs;" in text
+                nbytes = sum(e["bytes"] for e in casts)
+                assert nbytes == 4 * sum(p.numel() for p in mlp.parameters())
+                assert {e["dtype"] for e in casts} == {"float32"}
+                assert (f"{len(casts)} calls of `broadcast`, one per tensor (the {len(casts) // 2} "
+                        f"weights and {len(casts) // 2} biases), {nbytes:,} bytes of fp32 in all, "
+                        f"the whole model's {nbytes / 2**20:.1f} MiB, from "
+                        f"{casts[0]['start'] * 1e6:.0f} to {casts[-1]['end'] * 1e6:.0f} µs") in text
+                assert f"its {took * 1e6:.0f} µs do not matter" in text
+                # "red all along, on rank 0 as well": every rank blocked for each whole call
+                assert all(e["waited"] == pytest.approx(e["end"] - e["start"], abs=1e-12)
+                           for r in range(2) for e in ranks.trace.comm(r, op="broadcast"))
+                one = P["a100-node"].link_between(range(2)).seconds("broadcast", nbytes, 2)
+                assert (f"one broadcast of the same {nbytes / 2**20:.1f} MiB would take "
+                        f"{one * 1e6:.0f} µs") in text
     ratio = steps["a100-node", False] / steps["a100-node", True]
     assert f"Overlap off / on is **{ratio:.2f}**" in text and f"{ratio:.2f}" == "1.00"
     assert (f"at datasheet rates the same code shows off / on = "
@@ -954,6 +972,8 @@ def test_performance_numbers_the_prose_quotes():
     assert f"2 of its {GPT3_XL['n_layers']} blocks" in text
     assert f"the full model has {GPT3_XL['n_layers'] // 2} times as many" in text
     grad_mb = 2 * sum(p.numel() for p in blocks.parameters()) / 1e6
+    assert (f"2 of GPT-3 XL's {GPT3_XL['n_layers']} blocks (hidden {GPT3_XL['d_model']}, "
+            f"{inspect.signature(gpt_step).parameters['tokens'].default} tokens per rank, bf16 gradients, {grad_mb:.0f} MB of them)") in text_b
     alone = {overlap: distlab.run(gpt_step, 1, overlap=overlap, emulate="a100-node")[0]
              for overlap in (True, False)}
     two_nodes = P["a100-2x8"].link_between(range(16))
@@ -994,11 +1014,11 @@ def test_performance_numbers_the_prose_quotes():
     # -- the straggler --------------------------------------------------------------------------
     slow = distlab.run(_straggler, 3, emulate="a100-node").trace
     waited = slow.totals(0)["waited"] - slow.totals(1)["waited"]
-    assert f"blocked {waited * 1e6:,.0f} µs longer than rank 1" in text
-    assert f"The other {(2e-3 - waited) / 2 * 1e6:.0f} µs per step is slack" in text
+    assert f"blocked {waited * 1e6:,.0f} µs longer than rank 1" in text_b
+    assert f"The other {(2e-3 - waited) / 2 * 1e6:.0f} µs per step is slack" in text_b
     spread = slow.totals(1)["end"] - min(slow.totals(r)["end"] for r in range(3))
     assert slow.totals(1)["end"] == max(slow.totals(r)["end"] for r in range(3))
-    assert f"within {spread * 1e6:.0f} µs of each other" in text
+    assert f"within {spread * 1e6:.0f} µs of each other" in text_b
     # -- speedup ---------------------------------------------------------------------------------
     def curve(device_preset, cluster, tokens, overlap):
         one = alone[overlap] if (device_preset, tokens) == ("a100-node", 2048) else \
@@ -1011,30 +1031,37 @@ def test_performance_numbers_the_prose_quotes():
     h100, h100_on = curve("h100-node", "h100-cluster", 2048, True)
     h100_512, h100_small = curve("h100-node", "h100-cluster", 512, True)
     assert all(a100_on[n] == pytest.approx(n) and h100_on[n] == pytest.approx(n) for n in a100_on)
-    assert (f"{a100_off[8]:.1f} at 8 GPUs, {a100_off[16]:.1f} at 16" in text
-            and f"{a100_off[256]:.0f} at 256" in text)
-    assert f"runs these blocks {alone[True][1] / h100[1]:.1f} times faster" in text
+    assert (f"{a100_off[8]:.1f} at 8 GPUs, {a100_off[16]:.1f} at 16" in text_b
+            and f"{a100_off[256]:.0f} at 256" in text_b)
+    assert f"runs these blocks {alone[True][1] / h100[1]:.1f} times faster" in text_b
     h100_link = P["h100-cluster"].link_between(range(16))
     assert (f"only {all_reduce16 / h100_link.seconds('all_reduce', grad_mb * 1e6, 16):.1f} times "
             f"faster ({h100_link.bandwidth / 1e9:.0f} GB/s against the A100s' "
-            f"{two_nodes.bandwidth / 1e9:.0f})") in text
-    assert f"backward, {h100_512[0]['backward_end'] * 1e3:.1f} ms" in text
+            f"{two_nodes.bandwidth / 1e9:.0f})") in text_b
+    assert f"backward, {h100_512[0]['backward_end'] * 1e3:.1f} ms" in text_b
     assert h100_small[64] == pytest.approx(64) and h100_small[128] < 127
-    assert f"({h100_small[256]:.0f} at 256)" in text
-    assert (f"(2.1 ms across A100 nodes)" in text and f"{all_reduce16 * 1e3:.1f}" == "2.1"
-            and f"backward ({alone[True][0]['backward_end'] * 1e3:.1f} ms)" in text)
-    assert f"keep {two_nodes.bandwidth / 1e9:.0f} GB/s across A100 nodes" in text
-    assert "(nccl-tests measured 192 GB/s on two DGX A100s)" in text   # bench/published.csv
+    assert f"({h100_small[256]:.0f} at 256)" in text_b
+    assert (f"(2.1 ms across A100 nodes)" in text_b and f"{all_reduce16 * 1e3:.1f}" == "2.1"
+            and f"backward ({alone[True][0]['backward_end'] * 1e3:.1f} ms)" in text_b)
+    assert f"keep {two_nodes.bandwidth / 1e9:.0f} GB/s across A100 nodes" in text_b
+    assert "(nccl-tests measured 192 GB/s on two DGX A100s)" in text_b   # bench/published.csv
     # -- Ethernet, and accumulation --------------------------------------------------------------
     ethernet = P["a100-ethernet"].link_between(range(2))
     eth = predict_step(*alone[True], 2, ethernet)
     assert 2 * alone[True][1] / eth < 1, "2 ranks process fewer tokens per second than one"
     eth_all_reduce = ethernet.seconds("all_reduce", grad_mb * 1e6, 2)
-    assert f"takes about {round(eth_all_reduce * 1e3, -1):.0f} ms on Ethernet" in text
+    assert f"takes about {round(eth_all_reduce * 1e3, -1):.0f} ms on Ethernet" in text_b
     assert round(eth_all_reduce / alone[False][0]["backward_end"]) == 4, "four times the backward"
     # what the comparisons validate
     assert "share formulas" in text and "critical path" in text
-    assert "(measured)" not in text and "the shape is the same" not in text
+    assert "share formulas" in text_b and "critical path" in text_b
+    for chapter in (text, text_b):
+        assert "(measured)" not in chapter and "the shape is the same" not in chapter
+    # torch's DDP broadcasts its state coalesced, in buckets of 250 MiB (both chapters say so)
+    from torch.nn.parallel import DistributedDataParallel
+    assert "self.broadcast_bucket_size = 250 * 1024 * 1024" in inspect.getsource(
+        DistributedDataParallel.__init__)
+    assert "buckets of up to 250 MiB" in text and "buckets of up to 250 MiB" in text_b
 
 
 # ---- exercise 7: predict, then run: a real-size DDP step on N ranks -----------------------------

@@ -3,6 +3,8 @@ backward pass per bucket, a bucket-size sweep, loss curves and per-rank step tim
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
+from ..trace import _unit
+
 COMPUTE, COMM = "#4C72B0", "#DD8452"
 
 
@@ -43,6 +45,19 @@ def ddp_timeline(timeline, ax=None, title="one backward pass"):
     ax.legend(handles=[Patch(color=COMPUTE, label="backward compute"),
                        Patch(color=COMM, label="all_reduce of a bucket")],
               loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    return ax
+
+
+def mark_span(ax, trace, start, end, text, rank=0):
+    """Name the calls between `start` and `end` (seconds) on `rank`'s communication row of a
+    `distlab.viz.trace.timeline(trace)` picture: a bracket under them and `text` beside it, in the
+    gap before the next rank's row (that picture draws rank r's calls at r + 0.03 ... r + 0.33)."""
+    _, scale = _unit(trace.end())       # the unit timeline() chose for the same trace
+    x0, x1 = start * scale, end * scale
+    ax.plot([x0, x0, x1, x1], [rank + 0.36, rank + 0.42, rank + 0.42, rank + 0.36], color="black",
+            lw=1)
+    ax.annotate(text, xy=(x1, rank + 0.42), xytext=(x1 + 0.02 * trace.end() * scale, rank + 0.56),
+                fontsize=8, va="center", arrowprops=dict(arrowstyle="-", lw=0.6))
     return ax
 
 
