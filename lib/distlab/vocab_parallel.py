@@ -99,6 +99,8 @@ class VocabParallelEmbedding(_VocabSharded):
         return layer.to(embedding.weight.device)
 
     def forward(self, ids):
+        # out-of-range ids would silently embed as zeros here (no rank holds them), where the
+        # dense table raises; checking costs a host sync on a GPU, which Megatron-LM skips
         if not ids.is_meta and ids.numel() and (int(ids.min()) < 0
                                                 or int(ids.max()) >= self.vocab_size):
             raise IndexError(f"token ids must lie in [0, {self.vocab_size}); got "

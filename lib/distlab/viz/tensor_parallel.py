@@ -96,7 +96,8 @@ COMM = "#C44E52"
 
 
 def _block_row(sequence_parallel):
-    """The boxes and collectives of one transformer block, in order: ("box", label, colour) or
+    """The boxes and collectives of one transformer block, in order: ("box", label, colour, note
+    about its parameters' gradients) or
     ("comm", name, forward, backward). The layout is Megatron-LM's (Shoeybi et al. 2019, fig. 3;
     Korthikanti et al. 2022, fig. 5), as distlab.tensor_parallel.ParallelBlock runs it."""
     outside = SEQUENCE if sequence_parallel else REPLICATED
@@ -106,12 +107,16 @@ def _block_row(sequence_parallel):
     else:
         enter = ("comm", "f", "identity", "all-reduce")
         leave = ("comm", "g", "all-reduce", "identity")
+    # Under SP a replicated parameter sees only this rank's tokens: its gradient is all-reduced
+    # in backward (tensor_parallel.replicated) - the LayerNorms' and the row layers' biases.
+    note = "bwd: param grads\nall-reduced" if sequence_parallel else ""
     row = []
     for inner in (("QKV\ncolumn", "attention\n(my heads)", "out proj\nrow"),
                   ("fc1\ncolumn", "GeLU\n(my slice)", "fc2\nrow")):
-        row += [("box", "LayerNorm", outside), enter]
-        row += [("box", label, SHARDED) for label in inner]
-        row += [leave, ("box", "residual\n(+ dropout)", outside)]
+        row += [("box", "LayerNorm", outside, note), enter]
+        row += [("box", label, SHARDED, note if label.endswith("row") else "")
+                for label in inner]
+        row += [leave, ("box", "residual\n(+ dropout)", outside, "")]
     return row
 
 
@@ -119,7 +124,8 @@ def tp_sp_block(ax=None):
     """One transformer block under tensor parallelism (top) and tensor + sequence parallelism
     (bottom): grey = replicated on every TP rank, blue = split by heads / hidden features, green
     = split along the sequence; each red marker is a collective, with what it does in forward
-    and in backward (its conjugate)."""
+    and in backward (its conjugate); under SP, the replicated parameters' gradient all-reduces
+    are noted above the boxes that hold them."""
     if ax is None:
         _, ax = plt.subplots(figsize=(13, 5.2))
     w, h, gap = 1.0, 0.8, 0.22
@@ -133,7 +139,10 @@ def tp_sp_block(ax=None):
         centres = []                                     # (left, right) of each element
         for item in _block_row(sp):
             if item[0] == "box":
-                _, label, colour = item
+                _, label, colour, note = item
+                if note:
+                    ax.text(x + w / 2, y + h + 0.06, note, ha="center", va="bottom", fontsize=6.5,
+                            color=COMM, style="italic")
                 ax.add_patch(Rectangle((x, y), w, h, facecolor=colour, edgecolor="black",
                                        alpha=0.85))
                 ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=7.5,
