@@ -427,3 +427,38 @@ def test_all_to_all_seconds_inside_a_node_is_the_links_own_model():
     # across nodes the NIC carries the cross-node half at EP 16: slower than any ring's rate
     two = PRESETS["h100-2x8"]
     assert ep_lib.all_to_all_seconds(1e8, 16, two) > 1e8 * 8 / 16 / two.inter.bandwidth
+
+
+# ---- chapter 09 section 6 (modern MoE): the prose's numbers, and the verdicts its cells print ----
+
+def test_modern_moe_prose_numbers():
+    text = _chapter_text()
+    # "bfloat16 keeps 8 bits of mantissa, so a logit between 32 and 64 is rounded to a multiple
+    # of 0.25"
+    assert torch.finfo(torch.bfloat16).eps == 2 ** -7            # 7 stored + 1 implicit bit
+    for value in (32.1, 47.3, 63.9):
+        rounded = float(torch.tensor(value).bfloat16())
+        assert abs(rounded / 0.25 - round(rounded / 0.25)) == 0 and abs(rounded - value) <= 0.125
+    assert "a logit between 32 and 64 is rounded to a multiple of 0.25" in text
+    # "64 tokens, 4 experts, factor 1 (C = 16)"
+    assert moe_lib.expert_capacity(64, 4, 1, 1.0) == 16 and "factor 1 (C = 16)" in text
+    # fine-grained keeps the width x active experts of the coarse layer
+    fine = moe_lib.fine_grained(16, 64, 8, 2, m=4, n_shared=1)
+    assert (fine["top_k"] + fine["n_shared"]) * fine["hidden"] == 2 * 64
+
+
+def test_modern_moe_cells_print_true_verdicts():
+    """Each claim of section 4's balancing comparison and of section 6 is printed by its cell as a
+    verdict (recomputed by nbval on every run); none of the stored verdicts may read False."""
+    import pathlib
+    import nbformat
+    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "09_expert_parallel.ipynb"
+    outputs = " ".join(o.get("text", "") for c in nbformat.read(path, as_version=4).cells
+                       if c.cell_type == "code" for o in c.get("outputs", []))
+    for claim in ("both methods end below a third of the unbalanced router's MaxVio: True",
+                  "than one capacity for the group: True",
+                  "task loss within 0.01, smaller bf16 error: True",
+                  "while the whole batch stays at least as balanced: True"):
+        assert claim in outputs, claim
+    assert outputs.count("every rank equals one process, within 1e-12: True") == 3
+    assert "False" not in outputs and "NOT within" not in outputs

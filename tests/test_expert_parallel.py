@@ -1,4 +1,6 @@
 """The MoE layer and expert parallelism: every rank's output and every gradient equal one process."""
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,8 +10,8 @@ from distlab.expert_parallel import (ExpertParallelMoE, all_to_all, check_ep_siz
                                      dispatch_plan, ep_dp_mesh, expert_parallel_model,
                                      reduce_gradients)
 from distlab.models import regression_data
-from distlab.moe import (Routing, capacity_keep, load_balancing_loss, make_moe, make_moe_model,
-                         route, shard_loss, train_moe_reference)
+from distlab.moe import (Routing, capacity_keep, domain_steps, load_balancing_loss, make_moe,
+                         make_moe_model, route, shard_loss, train_balancing, train_moe_reference)
 
 F64 = torch.float64
 D = 8
@@ -207,7 +209,116 @@ def _ep_against_reference(rank, world_size, experts_per_rank):
         worst = {k: (a.detach() - b.detach()).abs().max().item() for k, a, b in
                  ((k, *v) for k, v in pairs.items())}
         errors[(top_k, capacity_factor, bias)] = (worst, ep.stats["received_rows"])
+    if world_size in (2, 3) and experts_per_rank == 2:
+        errors.update(_modern_against_reference(rank, world_size))
     return errors
+
+
+# Each modern option against the single-process reference that applies the same rule, in the
+# same launch as the plain layer (2 and 3 ranks). "global" configs: one process routing every
+# rank's tokens at once (one capacity for the group's queue; f over the whole batch).
+MODERN = {
+    "global capacity, top-2": (dict(top_k=2, capacity_factor=0.75), dict(global_capacity=True)),
+    "global capacity, top-1, skewed": (dict(top_k=1, capacity_factor=1.0),
+                                       dict(global_capacity=True)),
+    "shared expert + selection bias + global-batch aux + global capacity":
+        (dict(top_k=2, capacity_factor=1.0, n_shared=1),
+         dict(global_capacity=True, balance_group="world")),
+    "shared experts, fine-grained, per-rank": (dict(top_k=2, n_shared=2, shared_hidden=8), {}),
+    "expert choice": (dict(router="expert_choice", capacity_factor=1.0), {}),
+}
+
+
+def _modern_against_reference(rank, world_size):
+    errors = {}
+    for name, (config, options) in MODERN.items():
+        moe = make_moe(seed=1, dtype=F64, d_model=D, hidden=16, n_experts=2 * world_size, **config)
+        with torch.no_grad():
+            if "skewed" in name:
+                moe.router.bias[0] = 3.0
+            if "bias" in name:
+                moe.selection_bias.copy_(torch.linspace(0.2, -0.2, moe.n_experts, dtype=F64))
+        if options.get("balance_group") == "world":
+            options = dict(options, balance_group=dist.group.WORLD)
+        ep = ExpertParallelMoE(moe, group=None, **options)
+        x = _tokens(rank).requires_grad_()
+        y, aux = ep(x)
+        together = "global" in name
+        # Per-rank aux is the loss of that rank's batch; global-batch aux's mean over ranks is the
+        # whole batch's. Only the latter has a one-process twin when the capacity is global too.
+        uses_aux = "global-batch" in name or not together
+        (_probe(y) + (aux if uses_aux else 0)).backward()
+        xs = [_tokens(r).requires_grad_() for r in range(world_size)]
+        if together:
+            y_all, aux_all = moe(torch.cat(xs))
+            ys = y_all.split(len(x))
+            loss = sum(_probe(yr) for yr in ys) + (world_size * aux_all if uses_aux else 0)
+            ref_y, ref_keep = ys[rank], moe.last_routing.keep.split(len(x))[rank]
+            mean_aux = aux.detach().clone()
+            dist.all_reduce(mean_aux)
+            aux_err = (mean_aux / world_size - aux_all).abs() if uses_aux else \
+                (aux - moe(xs[rank].detach())[1]).abs()     # its own batch's f and P
+        else:
+            outs = [moe(xr) for xr in xs]
+            keeps = []
+            for xr in xs:
+                moe(xr)
+                keeps.append(moe.last_routing.keep)
+            loss = sum(_probe(yr) + ar for yr, ar in outs)
+            ref_y, ref_keep = outs[rank][0], keeps[rank]
+            aux_err = (aux - outs[rank][1]).abs()
+        loss.backward()
+        worst = {"output": (y - ref_y).abs().max().item(), "aux": aux_err.item(),
+                 "input grad": (x.grad - xs[rank].grad).abs().max().item(),
+                 "kept assignments": float(not torch.equal(ep.last_routing.keep, ref_keep))}
+        replicated = list(zip(ep.router.parameters(), moe.router.parameters()))
+        replicated += list(zip(ep.shared.parameters(), moe.shared.parameters()))
+        for i, (p, q) in enumerate(replicated):
+            grad = p.grad.clone()
+            dist.all_reduce(grad)               # replicated: its gradient sums every rank's tokens
+            worst[f"replicated parameter {i} grad"] = (grad - q.grad).abs().max().item()
+        for i, expert in enumerate(ep.experts):
+            for (pname, p), q in zip(expert.named_parameters(),
+                                     moe.experts[ep.first + i].parameters()):
+                worst[f"expert {ep.first + i} {pname} grad"] = (p.grad - q.grad).abs().max().item()
+        load = ep.last_routing.load()
+        dist.all_reduce(load)                   # what each expert processed, from every rank
+        errors[name] = (worst, (int(load.max()), ep.last_routing.capacity))
+    errors["training"] = _modern_training(rank, world_size)
+    return errors
+
+
+def _modern_training(rank, world_size, steps=3):
+    """EP training with shared experts, global-batch aux, z-loss and the selection-bias update
+    against `train_balancing` in one process (balance="global", the ranks' shards as its
+    micro-batches): losses, parameters and biases after every step."""
+    config = dict(d_model=D, hidden=16, n_experts=2 * world_size, top_k=2, n_shared=1)
+    data = [[(x.to(F64), y.to(F64)) for x, y in shards]
+            for shards in domain_steps(steps, world_size, tokens=8, in_dim=16, seed=4)]
+    model = make_moe_model(seed=3, dtype=F64, **config)
+    with torch.no_grad():
+        model.moe.router.bias[0] = 2.0
+    reference = copy.deepcopy(model)
+    dp_group = ep_dp_mesh(1, world_size).get_group("dp")
+    model.moe = ExpertParallelMoE(model.moe, None, balance_group=dist.group.WORLD)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    worst = {}
+    history = train_balancing(reference, data, aux_coef=0.1, z_coef=0.01, bias_rate=0.05,
+                              balance="global", lr=0.2)
+    ref = dict(reference.named_parameters())
+    for step, shards in enumerate(data):
+        opt.zero_grad()
+        shard_loss(model, *shards[rank], aux_coef=0.1, z_coef=0.01).backward()
+        reduce_gradients(model, dp_group)
+        opt.step()
+        model.moe.update_selection_bias(0.05)
+        worst[f"step {step} selection bias"] = (model.moe.selection_bias
+                                                - history[step]["bias"]).abs().max().item()
+    for name, value in _global_params(model).items():
+        worst[f"{name} after {steps} steps"] = (value - ref[name].detach()).abs().max().item()
+    # the bias really moved, and the shared expert's parameters are among those compared
+    assert history[-1]["bias"].abs().max() > 0 and any("shared" in k for k in worst)
+    return worst, 0
 
 
 @pytest.mark.parametrize("world_size, experts_per_rank",
@@ -219,6 +330,15 @@ def test_expert_parallel_equals_single_process(world_size, experts_per_rank):
             for what, err in worst.items():
                 assert err < 1e-12, (f"EP={world_size}, rank {rank}, top_k/capacity/bias={config}:"
                                      f" {what} differs by {err:.3g}")
+    if world_size in (2, 3) and experts_per_rank == 2:
+        modern = results[0]
+        assert set(MODERN) | {"training"} <= set(modern)
+        # Global capacity: one capacity for the group's queue, computed from all 12N tokens
+        # (ceil(0.75 * 12N * 2 / 2N) = 9), and no expert processes more, whatever N is.
+        most, capacity = modern["global capacity, top-2"][1]
+        assert capacity == 9 and most <= 9
+        most, capacity = modern["global capacity, top-1, skewed"][1]
+        assert capacity == 6 and most == 6          # the skewed expert 0 is full, not over
     # The skewed router really exercised the empty exchanges: some rank received nothing.
     received = [errors[(1, None, "skew")][1] for errors in results]
     assert (0 in received or world_size == 1) and sum(received) == 12 * world_size
@@ -292,3 +412,88 @@ def test_ep_dp_training_equals_single_process(dp, ep, top_k, capacity_factor):
 
 # The workbook's checkers (prioritized routing, group capacity, EP x DP gradients) and the
 # refusal of the course's own dispatch_plan and combine are tested in tests/test_ch09.py.
+
+
+# ---- the modern routing options, in one process ----------------------------------------------------
+
+def test_selection_bias_chooses_but_does_not_weigh():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(10, 4, generator=g, dtype=F64)
+    bias = torch.tensor([0.5, 0.0, -0.5, 0.1], dtype=F64)
+    r = route(logits, top_k=2, selection_bias=bias)
+    probs = logits.softmax(-1)
+    for t in range(10):
+        best = sorted(range(4), key=lambda e: -(probs[t, e] + bias[e]).item())[:2]
+        assert r.experts[t].tolist() == best
+        chosen = probs[t, best]
+        torch.testing.assert_close(r.gates[t], chosen / chosen.sum(), rtol=0, atol=1e-15)
+
+
+def test_update_selection_bias_moves_by_the_sign_of_the_load_error():
+    from distlab.moe import max_violation, update_selection_bias
+    bias = torch.zeros(4, dtype=F64)
+    update_selection_bias(bias, torch.tensor([10, 2, 4, 0]), rate=0.1)    # mean 4
+    assert bias.tolist() == [-0.1, 0.1, 0.0, 0.1]
+    assert max_violation(torch.tensor([10, 2, 4, 0])) == 1.5
+    assert max_violation(torch.tensor([3, 3, 3])) == 0.0
+
+
+def test_z_loss_is_the_mean_squared_logsumexp():
+    from distlab.moe import z_loss
+    logits = torch.tensor([[0.0, 0.0], [3.0, -1.0]], dtype=F64)
+    by_hand = (torch.log(torch.tensor(2.0, dtype=F64)) ** 2
+               + torch.log(torch.exp(torch.tensor(3.0, dtype=F64)) + torch.exp(torch.tensor(-1.0, dtype=F64))) ** 2) / 2
+    assert z_loss(logits).item() == pytest.approx(by_hand.item(), abs=1e-14)
+
+
+def test_expert_choice_fills_every_expert_with_its_best_tokens():
+    from distlab.moe import expert_choice_route
+    moe = make_moe(seed=1, dtype=F64, d_model=D, hidden=16, n_experts=4, router="expert_choice",
+                   capacity_factor=1.0)
+    x = _tokens(0)
+    y, _ = moe(x)
+    r = moe.last_routing
+    assert r.capacity == 3 and r.load().tolist() == [3, 3, 3, 3]
+    probs = moe.router(x).softmax(-1)
+    dense = 0
+    for e, expert in enumerate(moe.experts):
+        best = sorted(range(12), key=lambda t: -probs[t, e].item())[:3]
+        weight = torch.zeros(12, 1, dtype=F64)
+        weight[best, 0] = probs[best, e]
+        assert sorted(r.keep[:, e].nonzero().view(-1).tolist()) == sorted(best)
+        dense = dense + weight * expert(x)
+    torch.testing.assert_close(y, dense, rtol=0, atol=1e-13)
+    with pytest.raises(ValueError, match="router must be"):
+        make_moe(router="expert-choice")
+    assert expert_choice_route(torch.zeros(2, 4), 8.0).capacity == 2      # at most every token
+
+
+def test_shared_experts_add_to_every_token_and_fine_grained_keeps_the_cost():
+    from distlab.moe import fine_grained
+    plain = make_moe(seed=1, dtype=F64, d_model=D, hidden=16, n_experts=4, top_k=2)
+    shared = make_moe(seed=1, dtype=F64, d_model=D, hidden=16, n_experts=4, top_k=2, n_shared=2)
+    x = _tokens(0)
+    torch.testing.assert_close(shared(x)[0], plain(x)[0] + shared.shared[0](x) + shared.shared[1](x),
+                               rtol=0, atol=1e-14)
+    coarse = dict(d_model=16, hidden=64, n_experts=8, top_k=2)
+    fine = fine_grained(**coarse, m=4, n_shared=1)
+    assert fine == dict(d_model=16, hidden=16, n_experts=31, top_k=7, n_shared=1)
+    active = lambda c: (c["top_k"] + c.get("n_shared", 0)) * c["hidden"]
+    total = lambda c: (c["n_experts"] + c.get("n_shared", 0)) * c["hidden"]
+    assert active(fine) == active(coarse) and total(fine) == total(coarse)
+    with pytest.raises(ValueError, match="split into m = 3"):
+        fine_grained(**coarse, m=3)
+
+
+def test_global_batch_aux_is_the_whole_batch_loss():
+    """Mean over micro-batches of E Σ f_global P_micro equals the loss of the concatenated batch."""
+    moe = make_moe(seed=1, dtype=F64, d_model=D, hidden=16, n_experts=4, top_k=2)
+    parts = [_tokens(r) for r in range(3)]
+    routings = [route(moe.router(p), 2) for p in parts]
+    total = sum(r.wanted() for r in routings)
+    mean = sum(load_balancing_loss(r, total) for r in routings) / 3
+    whole = load_balancing_loss(route(moe.router(torch.cat(parts)), 2))
+    assert mean.item() == pytest.approx(whole.item(), abs=1e-14)
+    assert sum(load_balancing_loss(r) for r in routings).item() / 3 != pytest.approx(whole.item())
+    with pytest.raises(ValueError, match="balance must be"):
+        train_balancing(make_moe_model(), [], balance="per-rank")

@@ -21,6 +21,18 @@ everything else is replicated everywhere. After backward, an expert's gradient a
 contributions of its whole EP group (they came back through the all-to-all), so it is all-reduced
 over the DP group only; a replicated parameter's gradient is all-reduced over every rank.
 
+Options beyond the plain layer (each proven equal to one process in tests/test_expert_parallel.py):
+- capacity: by default each rank applies the capacity to its OWN tokens (GShard's per-group
+  capacity: an expert can receive up to N × one rank's capacity, and which assignments drop
+  depends on how the tokens are split over the ranks). `global_capacity=True` applies one
+  capacity, computed from the EP group's tokens, to the group's queue (first choices of every
+  rank before second choices, rank order, then token order): one process routing all the
+  group's tokens at once does the same;
+- `balance_group`: the group whose load counts f the auxiliary loss uses (global-batch
+  balancing); None is the micro-batch's own;
+- shared experts are replicated like the router; the selection bias and expert-choice routing
+  come from the layer (`distlab.moe`).
+
 At real size (`imbalanced_layer_step`: a Mixtral-8x7B layer on meta tensors, under emulation) the
 routing is fixed (`skewed_rows`): a router needs values. `all_to_all_seconds` models the
 exchange across nodes at two levels (each GPU's NIC carries the share for other nodes).
@@ -32,7 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .moe import MoE, load_balancing_loss, route
+from .moe import (MoE, Routing, capacity_keep, expert_capacity, expert_choice_route,
+                  load_balancing_loss, route, update_selection_bias, z_loss)
 
 
 class AllToAll(torch.autograd.Function):
@@ -97,33 +110,58 @@ class ExpertParallelMoE(nn.Module):
     sent and received, and how long its local experts took.
     """
 
-    def __init__(self, moe: MoE, group=None, plan=dispatch_plan, combine=combine):
+    def __init__(self, moe: MoE, group=None, plan=dispatch_plan, combine=combine,
+                 global_capacity=False, balance_group=None):
         super().__init__()
-        self.group = group
+        self.group, self.balance_group = group, balance_group
         self.ep_size, self.ep_rank = dist.get_world_size(group), dist.get_rank(group)
         self.n_experts = moe.n_experts
         self.n_local = check_ep_size(moe.n_experts, self.ep_size)
         self.first = self.ep_rank * self.n_local
         self.top_k, self.capacity_factor = moe.top_k, moe.capacity_factor
+        if global_capacity and moe.router_kind != "token_choice":
+            raise ValueError("global_capacity applies to token-choice routing; expert choice "
+                             "fills each expert from this rank's tokens by construction.")
+        self.global_capacity = global_capacity
         # The full layer is built (same seed everywhere) and sliced: simple, and at scale one
         # would initialise only the local experts.
         self.router = copy.deepcopy(moe.router)
         self.experts = nn.ModuleList(copy.deepcopy(moe.experts[self.first + i])
                                      for i in range(self.n_local))
-        self.plan, self.combine = plan, combine
-        self.last_routing, self.stats = None, {}
+        self.shared = copy.deepcopy(moe.shared)       # replicated, like the router
+        self.register_buffer("selection_bias", moe.selection_bias.clone())
+        self.router_kind, self.plan, self.combine = moe.router_kind, plan, combine
+        self.last_routing, self.z_loss, self.mean_probs, self.stats = None, None, None, {}
+
+    def route(self, tokens):
+        """The layer's routing (top-k, with the selection bias if set, or expert choice). The
+        top-k goes through this module's name `route`, which the workbook's checkers swap."""
+        logits = self.router(tokens)
+        if self.router_kind == "expert_choice":
+            routing = expert_choice_route(logits, self.capacity_factor or 1.0)
+        elif self.selection_bias.any():
+            routing = route(logits, self.top_k, self.capacity_factor, self.selection_bias)
+        else:
+            routing = route(logits, self.top_k, self.capacity_factor)
+        self.last_routing = Routing(*(t.detach() if torch.is_tensor(t) else t for t in routing))
+        # Kept with their graph, as in the one-process layer (z-loss, global-batch balancing).
+        self.z_loss, self.mean_probs = z_loss(logits), routing.probs.mean(dim=0)
+        return routing
 
     def expert_parameters(self):
+        """The routed experts: sharded over EP. The shared experts are replicated."""
         return list(self.experts.parameters())
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
-        routing = route(self.router(tokens), self.top_k, self.capacity_factor)
-        self.last_routing = routing._replace(**{k: getattr(routing, k).detach() for k in
-                                                ("probs", "experts", "gates", "keep")})
+        if self.global_capacity:
+            routing = self._route_with_group_capacity(tokens)
+        else:
+            routing = self.route(tokens)
         order, send_splits = self.plan(routing.experts, routing.keep, self.n_experts,
                                        self.ep_size)
-        token, gate = order // self.top_k, routing.gates.reshape(-1)[order]
+        slots = routing.experts.shape[1]               # k; E under expert choice
+        token, gate = order // slots, routing.gates.reshape(-1)[order]
 
         # Counts first: rank j learns how many rows of each of its experts every rank sends.
         per_expert = torch.bincount(routing.experts.reshape(-1)[order], minlength=self.n_experts)
@@ -138,10 +176,52 @@ class ExpertParallelMoE(nn.Module):
         seconds = time.perf_counter() - started
         returned = all_to_all(processed, send_splits, recv_splits, self.group)
         y = self.combine(returned, token, gate, len(tokens))
+        for expert in self.shared:
+            y = y + expert(tokens)
 
         self.stats = {"sent_rows": send_splits, "received_rows": sum(recv_splits),
                       "expert_seconds": seconds}
-        return y.reshape(x.shape), load_balancing_loss(routing)
+        return y.reshape(x.shape), self._balancing_loss(routing)
+
+    def _balancing_loss(self, routing):
+        if self.balance_group is None:
+            return load_balancing_loss(routing)
+        # Global-batch balancing: f counts every rank's choices (a count: no gradient to carry),
+        # P stays this rank's, so the mean over ranks equals the loss of the whole batch.
+        wanted = routing.wanted()
+        dist.all_reduce(wanted, group=self.balance_group)
+        return load_balancing_loss(routing, wanted)
+
+    def _route_with_group_capacity(self, tokens):
+        # Learn every rank's choices and queue the whole group's assignments as one process
+        # routing all the group's tokens at once would (the local capacity's keep is replaced).
+        free = self.route(tokens)
+        if self.capacity_factor is None:
+            return free
+        size = torch.tensor([len(tokens)], device=tokens.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.ep_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        sizes = [int(n) for n in sizes]
+        # all_gather wants equal shapes: pad every rank's (T, k) choices to the longest.
+        padded = free.experts.new_zeros((max(sizes), self.top_k))
+        padded[:len(tokens)] = free.experts
+        everyone = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(everyone, padded, group=self.group)
+        everyone = [e[:n] for e, n in zip(everyone, sizes)]
+        capacity = expert_capacity(sum(sizes), self.n_experts, self.top_k, self.capacity_factor)
+        mine = sum(sizes[:self.ep_rank])
+        keep = capacity_keep(torch.cat(everyone), self.n_experts, capacity)
+        routing = free._replace(keep=keep[mine:mine + len(tokens)], capacity=capacity)
+        self.last_routing = self.last_routing._replace(keep=routing.keep, capacity=capacity)
+        return routing
+
+    def update_selection_bias(self, rate, group=None):
+        """Aux-loss-free balancing after a step: the load summed over `group` (every rank that
+        shares this router; None: the world), so that every copy of the bias moves alike."""
+        load = self.last_routing.load()
+        dist.all_reduce(load, group=group)
+        update_selection_bias(self.selection_bias, load, rate)
+        return load
 
     def _run_local_experts(self, received, incoming):
         # Rows arrive grouped by source rank, and inside each by local expert: regroup them by

@@ -149,3 +149,38 @@ def rank_bars(values, ax=None, title=None, ylabel="ms", line=None, line_label=No
     if title:
         ax.set_title(title, fontsize=10)
     return ax
+
+
+def experts_per_token(routing, ax=None, title="experts per token"):
+    """How many experts each token got: one bar per count (expert-choice routing gives 0..E;
+    token-choice top-k gives k, or fewer where capacity dropped some)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(4, 3))
+    counts = routing.keep.sum(dim=-1).cpu().numpy()
+    values = np.arange(routing.keep.shape[1] + 1)
+    ax.bar(values, [(counts == v).sum() for v in values], color="tab:blue")
+    ax.set_xticks(values)
+    ax.set_xlabel("experts that took the token")
+    ax.set_ylabel("tokens")
+    ax.set_title(title, fontsize=10)
+    return ax
+
+
+def micro_batch_loads(loads, ax=None, title=None):
+    """loads: (micro-batches, E) assignments of each micro-batch: one group of bars per
+    micro-batch, coloured by expert; the dashed line is a perfectly balanced share."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 3))
+    loads = np.asarray(loads, dtype=float)
+    n_micro, n_experts = loads.shape
+    width = 0.8 / n_experts
+    for e in range(n_experts):
+        ax.bar(np.arange(n_micro) + (e - (n_experts - 1) / 2) * width, loads[:, e], width,
+               color=expert_color(e), label=f"expert {e}")
+    ax.axhline(loads.sum() / loads.size, color="black", lw=1, ls="--", label="balanced")
+    ax.set_xticks(np.arange(n_micro))
+    ax.set_xticklabels([f"micro-batch {m}" for m in range(n_micro)], fontsize=8)
+    ax.set_ylabel("assignments")
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
