@@ -180,3 +180,28 @@ def test_rank_layouts_puts_what_fits_first_fastest_first():
     assert fitting == sorted(fitting)
     with pytest.raises(ValueError, match="no layout of GPT-3 175B fits"):
         layout.best("GPT-3 175B", nodes=1)
+
+
+def test_the_layout_picture_draws_every_communication_and_each_node():
+    """Issue 31: arrows for the tp all-reduces, pp sends and dp all-reduce, a frame per node,
+    and the replicated embeddings and head labelled whole, not as a tp shard."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import ConnectionPatch, FancyArrowPatch, Rectangle
+    from distlab.viz import layout as viz_layout
+    dp, pp, tp = 2, 2, 2
+    fig = viz_layout.draw_layout(dp, pp, tp, n_layers=4, gpus_per_node=4)
+    colours = [matplotlib.colors.to_hex(a.get_edgecolor()) for ax in fig.axes for a in ax.patches
+               if isinstance(a, FancyArrowPatch)]
+    assert colours.count(viz_layout.TP_COLOUR.lower()) == dp * pp * (tp - 1)
+    assert colours.count(viz_layout.PP_COLOUR.lower()) == dp * (pp - 1) * tp
+    assert sum(isinstance(a, ConnectionPatch) for a in fig.artists) == dp - 1
+    frames = [a for ax in fig.axes for a in ax.patches
+              if isinstance(a, Rectangle) and not a.get_fill()]
+    assert len(frames) == dp * pp * tp // 4                  # two nodes of four ranks
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert sum("emb: whole" in t for t in texts) == dp * tp
+    assert sum("head: whole" in t for t in texts) == dp * tp
+    assert not any("shard" in t for t in texts)
+    plt.close(fig)
