@@ -111,7 +111,7 @@ def test_stage_peaks_follow_the_1f1b_schedule():
     assert md.pipeline_stage_peaks(4, 2, 1, 0)["in_flight"] == [2, 2, 2, 1]
 
 
-# ---- NaN triage -----------------------------------------------------------------------------------
+# ---- NaN triage ----------------------------------------------------------------------------
 
 def _detector(rank, world_size):
     torch.manual_seed(0)
@@ -194,3 +194,16 @@ def test_chapter_quotes():
                   "at 256 the spacing is 2", "the first holds p micro-batches' activations, the "
                   "last one", "x[0, 0] = 1e200", "calls[0] == 3"):
         assert quote in text, quote
+
+
+def test_an_expandable_segment_under_pressure_lists_only_its_mapped_pages():
+    from torch.cuda import _memory_viz
+    a = md.CachingAllocator(100 * MiB, expandable_segments=True)
+    blocks = [a.malloc(20 * MiB) for _ in range(4)]
+    a.free(blocks[1])
+    a.free(blocks[2])
+    a.malloc(60 * MiB)            # does not fit: pages 1 and 2 are unmapped, the tail grows
+    assert a.reserved == 100 * MiB and a.allocated == 100 * MiB
+    snap = a.snapshot()
+    assert sum(s["total_size"] for s in snap["segments"]) == a.reserved
+    assert "total_reserved: 100.0MiB" in _memory_viz.segsum(snap)

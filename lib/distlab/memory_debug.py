@@ -218,7 +218,8 @@ def round_size(nbytes):
 
 
 def segment_size(size):
-    """How much the allocator asks cudaMalloc for when no cached block fits (get_allocation_size)."""
+    """How much the allocator asks cudaMalloc for when no cached block fits
+    (get_allocation_size)."""
     if size <= SMALL_SIZE:
         return SMALL_BUFFER
     if size < MIN_LARGE_ALLOC:
@@ -415,26 +416,37 @@ class CachingAllocator:
     def snapshot(self):
         """The allocator's state in the layout of torch.cuda.memory._snapshot(): "segments"
         (each with its blocks: active_allocated or inactive) and "device_traces"."""
-        segments = []
+        pieces = []             # (address, size, blocks, pool) of each segment as torch lists it
         for seg in self.segments:
-            if self.expandable:      # the mapped part, as torch reports an expandable segment
-                if not seg["mapped"]:
-                    continue
-                page = SMALL_BUFFER if seg["pool"] == "small" else LARGE_BUFFER
-                end = seg["address"] + (max(seg["mapped"]) + 1) * page
-                blocks = [[a, min(s, end - a), r] for a, s, r in seg["blocks"] if a < end]
-                total = end - seg["address"]
-            else:
-                blocks, total = seg["blocks"], seg["size"]
+            if not self.expandable:
+                pieces.append((seg["address"], seg["size"], seg["blocks"], seg["pool"]))
+                continue
+            # an expandable segment: each run of mapped pages, its blocks clipped to the run
+            page = SMALL_BUFFER if seg["pool"] == "small" else LARGE_BUFFER
+            pages = sorted(seg["mapped"])
+            runs = []
+            for k in pages:
+                if runs and runs[-1][1] == k - 1:
+                    runs[-1][1] = k
+                else:
+                    runs.append([k, k])
+            for first, last in runs:
+                start = seg["address"] + first * page
+                end = seg["address"] + (last + 1) * page
+                clipped = [[max(a, start), min(a + s, end) - max(a, start), r]
+                           for a, s, r in seg["blocks"] if a < end and a + s > start]
+                pieces.append((start, end - start, clipped, seg["pool"]))
+        segments = []
+        for address, total, blocks, pool in pieces:
             out = [{"address": a, "size": s, "requested_size": r or s,
                     "state": "active_allocated" if r else "inactive",
                     "frames": [{"filename": self.live[a][1] or "?", "line": 0,
                                 "name": self.live[a][1] or "?"}] if r else []}
                    for a, s, r in blocks]
-            segments.append({"device": 0, "address": seg["address"], "total_size": total,
-                             "stream": 0, "segment_type": seg["pool"],
-                             "allocated_size": sum(b["size"] for b in out if b["requested_size"]
-                                                   and b["state"] == "active_allocated"),
+            segments.append({"device": 0, "address": address, "total_size": total,
+                             "stream": 0, "segment_type": pool,
+                             "allocated_size": sum(b["size"] for b in out
+                                                   if b["state"] == "active_allocated"),
                              "active_size": sum(b["size"] for b in out
                                                 if b["state"] == "active_allocated"),
                              "requested_size": sum(b["requested_size"] for b in out

@@ -69,6 +69,8 @@ def anomaly_op(fn):
                 frames = [f for f in frames if f[0] != __file__]
                 if frames:
                     file, line, func, code = frames[-1]
+                    # a trailing comment is the author's note, not the op
+                    code = re.sub(r"\s+#[^'\"]*$", "", code)
                     where = f"{func}, line {line}: {code.strip()}" if code.strip() else \
                         f"{func}, line {line}"
             return {"function": m.group(1), "output": int(m.group(2)), "forward": where}

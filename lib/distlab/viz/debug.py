@@ -101,12 +101,17 @@ def allocated_vs_reserved(runs, ax=None, capacity=None):
                 label=f"{label}: reserved")
         ax.plot([b / 2 ** 20 for b in run["allocated"]], color=color, lw=0.8, ls="--",
                 label=f"{label}: allocated")
+        if run["oom"]:              # where this allocator gave up
+            at = len(run["reserved"]) - 1
+            ax.plot(at, run["reserved"][at] / 2 ** 20, "x", color=color, ms=9, mew=2)
+            ax.annotate(f"{label}: out of memory", (at, run["reserved"][at] / 2 ** 20),
+                        xytext=(8, -14), textcoords="offset points", color=color, fontsize=8)
     if capacity is not None:
         ax.axhline(capacity / 2 ** 20, color="black", lw=0.8, ls=":")
         ax.text(0, capacity / 2 ** 20, " device capacity", va="bottom", fontsize=8)
     ax.set_xlabel("allocation / free events, in order")
     ax.set_ylabel("MiB")
-    ax.set_title("Reserved (cached by the allocator) vs allocated (held by tensors)", pad=22)
+    ax.set_title("Reserved (cached by the allocator) vs allocated (held by tensors)", pad=36)
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8, frameon=False)
     ax.figure.tight_layout()
     return ax
