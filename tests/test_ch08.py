@@ -349,13 +349,21 @@ def test_real_size_bubble_numbers_the_prose_quotes():
     from distlab import pipeline_parallel as pp
     text = " ".join(_chapter_markdown().split())
     P, M, TOKENS, HIDDEN = 4, 8, 4096, pp.LLAMA2_7B["hidden"]
+    import torch
+    FFN = pp.LLAMA2_7B["ffn"]
+
     def steps(rank, world_size, names):          # as the chapter: one launch per preset
-        return [pp.real_size_step(rank, world_size, name, M, 1, TOKENS) for name in names]
+        timelines = [pp.real_size_step(rank, world_size, name, M, 1, TOKENS) for name in names]
+        wgrad = {rows: pp.weight_grad_seconds(rows, HIDDEN, 2 * FFN, torch.bfloat16, "meta")
+                 for rows in (TOKENS, 1024, 256)}
+        return timelines, wgrad
     runs = {}
     for preset, names in [("h100-node", ("1F1B", "ZB-H1")), ("h100-ib", ("1F1B",))]:
         ranks = distlab.run(steps, P, names, emulate=preset, timeout=180)
         for i, name in enumerate(names):
-            runs[name, preset] = [e for per_rank in ranks for e in per_rank[i]]
+            runs[name, preset] = [e for timelines, _ in ranks for e in timelines[i]]
+        if preset == "h100-node":
+            wgrad = ranks[0][1]
 
     def mean(timeline, kind):
         xs = [e["end"] - e["start"] for e in timeline if e["kind"] == kind and e["stage"] > 0]
@@ -408,3 +416,50 @@ def test_real_size_bubble_numbers_the_prose_quotes():
     assert all(0.01 < c / f < 0.05 for f, _, _, c in published)
     assert "they share their formulas" in text or "share their formulas" in text
     assert "(measured)" not in text
+
+    # why production fuses the accumulation: W after the first micro-batch is longer; the
+    # addition is a fifth of the GEMM at 4096 tokens, more than the GEMM at 256; fused = GEMM
+    ws = [e for e in runs["ZB-H1", "h100-node"] if e["kind"] == "W" and e["stage"] > 0]
+    first = [e["end"] - e["start"] for e in ws if e["mb"] == 0]
+    later = [e["end"] - e["start"] for e in ws if e["mb"] > 0]
+    assert sum(later) / len(later) > 1.05 * sum(first) / len(first)
+    extra = {rows: w["GEMM, +="] / w["GEMM"] - 1 for rows, w in wgrad.items()}
+    assert 0.15 < extra[TOKENS] < 0.25 and extra[256] > 1 and extra[1024] < extra[256]
+    assert ("At 4096 tokens the addition costs a fifth of the GEMM; at 256 tokens it costs more "
+            "than the GEMM itself") in text
+    assert all(w["fused"] < w["GEMM, +="] and w["fused"] <= 1.2 * w["GEMM"] for w in wgrad.values())
+    assert "costs the GEMM's time" in text and "emulated B/F of a block is above 2" in text
+    assert t_b / t_f > 2
+    # ZB-V and DualPipe: the report's formulas beside the simulator at the real-size times
+    real = dict(t_f=t_f, t_b=t_i + t_w, t_w=t_w)
+
+    def idle(schedule):
+        timeline = ps.simulate(schedule, M, **real)
+        return max(e["end"] for e in timeline) - M * (t_f + t_i + t_w)
+    assert idle(ps.one_f_one_b(P, M)) == pytest.approx((P - 1) * (t_f + t_i + t_w), rel=1e-9)
+    assert idle(ps.zb_h1(P, M)) == pytest.approx((P - 1) * (t_f + t_i - t_w), rel=1e-9)
+    dualpipe = ps.dualpipe_bubble(2 * P, t_f / 2, (t_i + t_w) / 2, t_w / 2)
+    assert dualpipe > 1.5 * idle(ps.dualpipe_v(P, M))
+    assert "the report's formula is well above what the simulator finds" in text
+    assert "For 1F1B and ZB-H1 the report's formulas and the simulator agree" in text
+
+
+def test_v_schedule_prose_numbers():
+    """ZB-V and DualPipeV at p = 4, m = 8, F = I = W: every number the section quotes."""
+    text = " ".join(_chapter_markdown().split())
+    p, m = 4, 8
+    sims = {name: ps.simulate(s, m, t_f=1, t_b=2, t_w=1) for name, s in
+            [("ZB-H1", ps.zb_h1(p, m)), ("ZB-V", ps.zb_v(p, m)), ("DualPipeV", ps.dualpipe_v(p, m))]}
+    idle = {n: max(e["end"] for e in t) - 3 * m for n, t in sims.items()}
+    assert idle["ZB-V"] == pytest.approx(idle["ZB-H1"] / 2) == pytest.approx((p - 1) * 0.5)
+    assert idle["DualPipeV"] == pytest.approx(idle["ZB-V"])       # "idles the same here"
+    assert f"here {ps.zb_v_bubble(p, m):.3f} against ZB-H1's {ps.zb_h1_bubble(p, m):.3f}" in text
+    assert ps.bubble_fraction(sims["ZB-V"]) == pytest.approx(ps.zb_v_bubble(p, m))
+    assert max(ps.peak_in_flight(a) for a in ps.zb_v(p, m)) == 2 * p     # p micro-batches
+    assert max(ps.peak_in_flight(a) for a in ps.one_f_one_b(p, m)) == p
+    assert max(ps.peak_in_flight(a) for a in ps.dualpipe_v(p, m)) == 2 * p + 1   # one chunk more
+    assert "p = 4 micro-batches. DualPipeV, with its pairs run one after the other, idles the " \
+           "same here and holds one chunk more" in text
+    assert "half ZB-H1's idle time at 1F1B's peak memory" in text
+    # at F = I = W the report's DualPipe formula, in chunk units, is twice the simulator's
+    assert ps.dualpipe_bubble(2 * p, 0.5, 1, 0.5) == pytest.approx(2 * idle["DualPipeV"])

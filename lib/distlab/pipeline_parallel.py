@@ -92,6 +92,14 @@ class PipelineStage:
         if self.placement == "v" and self.v != 2:
             raise ValueError(f"the V placement gives every stage 2 pieces; {len(parts)} pieces "
                              f"for {world_size} stages are {self.v} each.")
+        if self.placement == "v" and dist.is_initialized() and \
+                "nccl" in str(dist.get_backend(group)) and device().type == "cuda":
+            # NCCL pairs send/recv between two ranks in posting order and ignores tags; the V
+            # schedules post activations and gradients to one neighbour in an order that only
+            # tags keep apart (gloo honours them), so the wrong tensors would pair silently.
+            raise ValueError("the V placement (ZB-V, DualPipeV) needs send/recv tags, which "
+                             "NCCL ignores; run it on gloo, or use torch.distributed.pipelining's "
+                             "ScheduleZBVZeroBubble / ScheduleDualPipeV on GPUs.")
         # A model built on the meta device (a real-size stage under emulation: shapes, no
         # values) talks in meta tensors; any other runs on the course's device.
         self.meta = any(q.is_meta for part in parts for q in part.parameters())
