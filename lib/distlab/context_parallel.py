@@ -12,7 +12,10 @@ query to meet every key, so the key/value blocks must travel:
                      but the rank's own block and the final log-sum-exp is kept for backward).
 - all-gather K/V:    every rank gathers all keys and values (one all_gather), then attends
                      locally; the backward reduce-scatters their gradients. Simple, and cheap
-                     when K/V are small next to Q (grouped-query attention), as in Llama 3.
+                     when K/V are small next to Q (grouped-query attention), as in Llama 3;
+                     `documents=` masks packed sequences block-diagonally (Llama 3's other
+                     reason to gather).
+- all-to-all between tokens and heads (DeepSpeed-Ulysses): in `distlab.ulysses`.
 
 Causal attention makes blocks unequal: with contiguous blocks, rank 0's queries see only their
 own block while the last rank's see everything. `zigzag_positions` gives rank r the chunks r and
