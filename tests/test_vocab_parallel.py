@@ -1,8 +1,8 @@
 """The vocabulary-parallel embedding, LM head and cross-entropy equal the dense ones in float64 at
 tp = 2 and 3: the loss and the gradients of the embedding, the head (untied and tied) and the
 hidden states, with and without sequence parallelism, for vocabularies that divide by tp and
-vocabularies that are padded; the loss survives logits near 1000 and never gathers the logits.
-One launch per world size."""
+vocabularies that are padded; the loss survives logits near 1000, never gathers the logits, and
+equals torch's loss_parallel. One launch per world size."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -112,6 +112,26 @@ def _case(rank, ws):
     expected = F.pad(dense.grad, (0, vp.padded_vocab_size(vocab, ws) - vocab))[:, first:stop]
     close("large logits: logit-shard grad", shard.grad, expected)
     assert torch.isfinite(loss).all()
+
+    # torch's own: F.cross_entropy on logits that are DTensors sharded on the vocabulary, under
+    # loss_parallel() (torchtitan's loss), gives ours - on a vocabulary that divides by tp, since
+    # DTensor cuts an uneven one as torch.chunk does where ours pads
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+    mesh = init_device_mesh("cpu", (ws,))
+    vocab = 2 * ws                                # <= the columns of `full`
+    first, stop = vp.vocab_range(vocab, None)
+    ours = full[:, :vocab][:, first:stop].clone().requires_grad_()
+    theirs = ours.detach().clone().requires_grad_()
+    target = target % vocab
+    our_loss = vp.vocab_parallel_cross_entropy(ours, target, vocab).mean()
+    our_loss.backward()
+    with loss_parallel():
+        dtensor_loss = F.cross_entropy(DTensor.from_local(theirs, mesh, [Shard(1)]), target)
+        dtensor_loss.backward()
+    close("loss_parallel: loss", dtensor_loss.full_tensor(), our_loss)
+    close("loss_parallel: logit-shard grad", theirs.grad, ours.grad)
     return checked
 
 
