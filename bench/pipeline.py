@@ -1,4 +1,5 @@
-"""Pipeline bubble at real size under emulation against theory: GPipe, 1F1B, interleaved 1F1B, ZB-H1.
+"""Pipeline bubble at real size under emulation against theory: GPipe, 1F1B, interleaved 1F1B, ZB-H1,
+ZB-V and DualPipeV (its F-B pairs run one after the other: no overlap is modeled).
 
     .venv/bin/python bench/pipeline.py            # emulated (deterministic), ~1 minute on 2 cores
     .venv/bin/python bench/pipeline.py --laptop   # also the real run on this machine's cores
@@ -28,7 +29,8 @@ from distlab.models import make_mlp
 
 P, M, V, TOKENS, BLOCKS = 4, 8, 2, 4096, 2
 PRESETS = ("h100-node", "h100-ib")
-SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("interleaved 1F1B", V), ("ZB-H1", 1)]
+SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("interleaved 1F1B", V), ("ZB-H1", 1), ("ZB-V", 2),
+             ("DualPipeV", 2)]
 
 
 def mean_time(timeline, kind):
@@ -50,11 +52,16 @@ def emulated():
                                timeout=600)
             timeline = [e for rank in runs for e in rank]
             t_f, t_b, t_i, t_w = (v * mean_time(timeline, k) for k in "FBIW")   # per stage
-            schedule = ps.interleaved_1f1b(P, M, v) if v > 1 else ps.make_schedule(name, P, M)
+            schedule = ps.V_SCHEDULES[name](P, M) if name in ps.V_SCHEDULES else \
+                ps.interleaved_1f1b(P, M, v) if v > 1 else ps.make_schedule(name, P, M)
             closed = ps.theory(name, P, M, v)
+            closed = ps.zb_v_bubble(P, M) if name == "DualPipeV" else closed   # pairs not overlapped
             if name == "ZB-H1":
                 t_b = t_i + t_w
                 measured_form = ps.zb_h1_bubble(P, M, t_f, t_i, t_w)
+            elif name in ps.V_SCHEDULES:      # no closed form at unequal F, I, W: the F = I = W one
+                t_b = t_i + t_w
+                measured_form = closed
             else:
                 measured_form = closed
             model = ps.bubble_fraction(ps.simulate(schedule, M, t_f, t_b, t_w or None,

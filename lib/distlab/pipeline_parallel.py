@@ -389,16 +389,20 @@ def real_size_step(rank, world_size, schedule, m, blocks_per_stage=2, tokens=409
     `blocks_per_stage` blocks (in v chunks), m micro-batches of one `tokens`-long sequence;
     returns this stage's timeline (virtual clock). `schedule`: a name of SCHEDULES, or the
     per-stage lists. Stage 0's input requires grad, so every stage does the same work (the
-    bubble formulas assume equal stages); the loss is the output's mean square."""
-    from .pipeline_schedules import make_schedule, interleaved_1f1b
+    bubble formulas assume equal stages); the loss is the output's mean square. A V schedule
+    ("ZB-V", "DualPipeV", or a ps.Schedule with placement "v") gets v = 2 chunks in a V."""
+    from .pipeline_schedules import V_SCHEDULES, interleaved_1f1b, make_schedule
     if isinstance(schedule, str):
-        schedule = interleaved_1f1b(world_size, m, v) if v > 1 else \
+        schedule = V_SCHEDULES[schedule](world_size, m) if schedule in V_SCHEDULES else \
+            interleaved_1f1b(world_size, m, v) if v > 1 else \
             make_schedule(schedule, world_size, m)
+    placement = placement_of(schedule)
+    v = 2 if placement == "v" else v
     n = world_size * v
-    parts = llama_parts(n, blocks_per_stage // v, {c * world_size + rank for c in range(v)},
-                        config)
+    parts = llama_parts(n, blocks_per_stage // v,
+                        {virtual_stage(rank, c, world_size, placement) for c in range(v)}, config)
     stage = PipelineStage(parts, rank, world_size, (tokens, config["hidden"]),
-                          dtype=config["dtype"])
+                          dtype=config["dtype"], placement=placement)
     with torch.device("meta"):
         x = torch.empty(m, tokens, config["hidden"], dtype=config["dtype"], requires_grad=True)
         y = torch.empty(m, tokens, config["hidden"], dtype=config["dtype"])
