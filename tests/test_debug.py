@@ -100,7 +100,17 @@ def test_gradient_scale_names_summed_and_unreduced(world_size):
 
 
 def _perturbed(rank, world_size):
-    model, _ = debug.problem()
+    from distlab import nan_debug
+    model, batches = debug.problem()
+    x, y = batches[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    finite = nan_debug.first_nonfinite_gradient(model)          # must not flag
+    with torch.no_grad():
+        if rank >= 1:            # ranks 1.. : the last one's inf comes after rank 1's nan
+            model.net[2 if rank == 1 else 0].weight.grad[0, 0] = float(
+                "nan" if rank == 1 else "inf")
+    nonfinite = nan_debug.first_nonfinite_gradient(model)       # must catch: the first rank
+    model.zero_grad()
     clean = debug.replicas_out_of_sync(model)
     with torch.no_grad():
         if rank == world_size - 1:
@@ -110,13 +120,17 @@ def _perturbed(rank, world_size):
         if rank == 0:
             w = model.net[0].weight
             w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()
-    return clean, bias_only, debug.replicas_out_of_sync(model)
+    return clean, bias_only, debug.replicas_out_of_sync(model), finite, nonfinite
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_replicas_out_of_sync_names_parameters_on_every_rank(world_size):
+    # also nan_debug.first_nonfinite_gradient (chapter 11 §5a): nothing on finite gradients;
+    # rank 1's NaN in net.2.weight before any later rank's inf, the same on every rank
     got = distlab.run(_perturbed, world_size, timeout=T)
-    for clean, bias_only, both in got:
+    for clean, bias_only, both, finite, nonfinite in got:
+        assert finite is None
+        assert nonfinite[:2] == (1, "net.2.weight") and nonfinite[2] != nonfinite[2]
         assert clean == []
         assert bias_only == ["net.2.bias"]
         assert both == ["net.0.weight", "net.2.bias"]
