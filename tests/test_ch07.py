@@ -203,6 +203,19 @@ def test_vocab_ce_refuses_gathering_the_logits():
         ch07.check_vocab_parallel_cross_entropy(ce_gather_logits, world_sizes=(3,))
 
 
+def ce_course_module(logits_shard, target, vocab_start, group):
+    """The cheat: chapter 07's own vocab-parallel loss (distlab.vocab_parallel) called."""
+    from distlab import vocab_parallel
+    width = torch.tensor([logits_shard.shape[1]])
+    dist.all_reduce(width, group=group)
+    return vocab_parallel.vocab_parallel_cross_entropy(logits_shard, target, int(width), group)
+
+
+def test_vocab_ce_refuses_the_chapters_module():
+    with pytest.raises(CheckFailed, match=r"course's own"):
+        ch07.check_vocab_parallel_cross_entropy(ce_course_module, world_sizes=(2,))
+
+
 def test_vocab_ce_names_the_missing_max_and_refuses_stubs():
     with pytest.raises(CheckFailed, match=r"logits near 1000\), rank 0, per-token loss.*"
                                           r"overflows.*op=MAX"):

@@ -36,6 +36,7 @@ from .. import emulate as _emulate
 from .. import hardware as _hardware
 from .. import tensor_parallel as _tpm
 from .. import tp_comm as _tp_comm
+from .. import vocab_parallel as _vp
 from .. import trace as _trace
 from ..launch import RankFailed
 from . import (expect_arguments, learner_seconds, CheckFailed, UsedCourseCode, _not_written,
@@ -55,9 +56,12 @@ def _course_code():
             _tpm.RowParallelLinear, _tpm.ParallelMLP, _tpm.ParallelBlock]
     for cls in (_tp_comm.AllGatherFwdReduceScatterBwd, _tp_comm.ReduceScatterFwdAllGatherBwd,
                 _tp_comm.AllGatherFwdSplitBwd, _tp_comm.SplitFwdAllGatherBwd,
-                _tp_comm.IdentityFwdAllReduceBwd, _tp_comm.AllReduceFwdIdentityBwd):
+                _tp_comm.IdentityFwdAllReduceBwd, _tp_comm.AllReduceFwdIdentityBwd,
+                _vp._VocabParallelCrossEntropy):
         objs += [cls.forward, cls.backward]
-    return objs
+    # chapter 07 names the vocab-parallel module (its loss is exercise 2's answer)
+    return objs + [_vp.vocab_parallel_cross_entropy, _vp.VocabParallelEmbedding.forward,
+                   _vp.ParallelLMHead.forward]
 
 
 def _ints(shape, seed, low=-3, high=4):
