@@ -88,19 +88,19 @@ def pid_dir(tmp_path):
 
 def run_in_one_kernel(paths, timeout=120):
     """Execute notebooks one after another in ONE kernel, the namespace reset between them
-    (`%reset -f`), each cell with errors allowed: {name: (its stored cells, its executed cells)}.
+    (`%reset -f`), each cell with errors allowed: {path: (its stored cells, its executed cells)}.
     A kernel, torch's import and a launcher's forkserver cost ≈ 10 CPU-seconds per notebook;
     for the workbooks (solved or not) that is more than their cells."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError
     import pytest
-    books = {p.name: nbformat.read(p, as_version=4) for p in paths}
+    books = {p: nbformat.read(p, as_version=4) for p in paths}
     merged = nbformat.v4.new_notebook()
     spans = {}
-    for name, nb in books.items():
+    for path, nb in books.items():
         merged.cells.append(nbformat.v4.new_code_cell("%reset -f"))
-        spans[name] = (len(merged.cells), len(merged.cells) + len(nb.cells))
+        spans[path] = (len(merged.cells), len(merged.cells) + len(nb.cells))
         merged.cells.extend(nbformat.from_dict(c) for c in nb.cells)
     folder = str(paths[0].parent) if paths else "."
     client = NotebookClient(merged, timeout=timeout, kernel_name="python3", allow_errors=True,
@@ -109,4 +109,4 @@ def run_in_one_kernel(paths, timeout=120):
         retry_kernel_start(client.execute)()
     except CellTimeoutError as e:  # pragma: no cover - the failure we guard against
         pytest.fail(f"a cell hung: {e}")
-    return {name: (books[name].cells, merged.cells[a:b]) for name, (a, b) in spans.items()}
+    return {path: (books[path].cells, merged.cells[a:b]) for path, (a, b) in spans.items()}

@@ -5,7 +5,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import retry_kernel_start, run_in_one_kernel
+from conftest import retry_kernel_start
 from distlab.exercises import CHECK_CALL, make_exercise, problems, strip_solutions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,30 +49,8 @@ def test_exercises_are_up_to_date():
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 
 
-@pytest.fixture(scope="module")
-def executed_workbooks():
-    """Every unsolved workbook run once, one after another in ONE kernel (conftest's
-    run_in_one_kernel): {name: its executed cells}."""
-    return {name: ran for name, (_, ran) in run_in_one_kernel(EXERCISES).items()}
-
-
-@pytest.mark.parametrize("path", EXERCISES, ids=[p.name for p in EXERCISES])
-def test_unsolved_exercises_fail_cleanly(path, executed_workbooks):
-    """Every check cell of an unsolved workbook raises a clear NotImplementedError, never hangs."""
-    checks = 0
-    for i, cell in enumerate(executed_workbooks[path.name]):
-        if cell.cell_type != "code":
-            continue
-        errors = [o for o in cell.outputs if o.output_type == "error"]
-        for error in errors:
-            assert error.ename == "NotImplementedError", (
-                f"{path.name}, cell {i}: expected a NotImplementedError from an unsolved "
-                f"exercise, got {error.ename}: {error.evalue}")
-        if CHECK_CALL.search(cell.source):
-            checks += 1
-            assert errors, f"{path.name}, cell {i}: the check passed on an unsolved exercise"
-            assert "is not written yet" in errors[0].evalue or "exercise:" in errors[0].evalue
-    assert checks >= 1, f"{path.name} has no check cell (chNN.check_...(...))"
+# The unsolved workbooks run in the solved ones' kernel: tests/test_solutions.py
+# (test_unsolved_exercises_fail_cleanly), one kernel for both sets.
 
 
 # Every workbook from 02 on, and how many exercises each has: every exercise carries two folded

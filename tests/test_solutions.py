@@ -1,4 +1,5 @@
-"""The solved workbooks, run as nbval runs them, in one kernel instead of thirteen.
+"""The solved workbooks, run as nbval runs them, in one kernel instead of thirteen; the unsolved
+ones after them in the same kernel, each check failing cleanly.
 
 `make test` runs nbval on notebooks/; the workbooks' solutions are run here, one after another in
 one kernel (conftest.run_in_one_kernel), and judged as nbval judges a notebook: no cell raises,
@@ -14,11 +15,13 @@ from pathlib import Path
 import pytest
 
 from conftest import run_in_one_kernel
+from distlab.exercises import CHECK_CALL
 
 nbval_plugin = pytest.importorskip("nbval.plugin")
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 # nbval's defaults (IPyNbFile.skip_compare, without --nbdime): what it never compares.
 SKIP = ("metadata", "traceback", "prompt_number", "output_type", "name", "execution_count",
         "application/vnd.jupyter.widget-view+json", "image/png", "image/jpeg")
@@ -57,13 +60,16 @@ def comparable(outputs, patterns):
 
 
 @pytest.fixture(scope="module")
-def executed_solutions():
-    return run_in_one_kernel(SOLUTIONS, timeout=300)
+def executed():
+    """Every solved workbook, then every unsolved one, in ONE kernel (a kernel, torch's import
+    and a forkserver are ≈ 13 CPU-seconds: the unsolved set once had a kernel of its own):
+    {path: (its stored cells, its executed cells)}."""
+    return run_in_one_kernel(SOLUTIONS + EXERCISES, timeout=300)
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=[p.name for p in SOLUTIONS])
-def test_solved_workbook_runs_and_matches_its_outputs(path, executed_solutions):
-    stored, ran = executed_solutions[path.name]
+def test_solved_workbook_runs_and_matches_its_outputs(path, executed):
+    stored, ran = executed[path]
     patterns = list(sanitize_patterns())
     for i, (before, after) in enumerate(zip(stored, ran)):
         if before.cell_type != "code":
@@ -89,3 +95,22 @@ def test_the_comparison_sees_a_changed_output():
     moved = [nbformat.v4.new_output("stream", name="stdout", text="at 0x7f00dead1234\n")]
     again = [nbformat.v4.new_output("stream", name="stdout", text="at 0x7f00beef5678\n")]
     assert comparable(moved, patterns) == comparable(again, patterns)   # sanitize.cfg applies
+
+
+@pytest.mark.parametrize("path", EXERCISES, ids=[p.name for p in EXERCISES])
+def test_unsolved_exercises_fail_cleanly(path, executed):
+    """Every check cell of an unsolved workbook raises a clear NotImplementedError, never hangs."""
+    checks = 0
+    for i, cell in enumerate(executed[path][1]):
+        if cell.cell_type != "code":
+            continue
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        for error in errors:
+            assert error.ename == "NotImplementedError", (
+                f"{path.name}, cell {i}: expected a NotImplementedError from an unsolved "
+                f"exercise, got {error.ename}: {error.evalue}")
+        if CHECK_CALL.search(cell.source):
+            checks += 1
+            assert errors, f"{path.name}, cell {i}: the check passed on an unsolved exercise"
+            assert "is not written yet" in errors[0].evalue or "exercise:" in errors[0].evalue
+    assert checks >= 1, f"{path.name} has no check cell (chNN.check_...(...))"
