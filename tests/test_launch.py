@@ -462,18 +462,43 @@ def test_a_main_module_without_spec_still_launches(monkeypatch):
     assert not hasattr(sys.modules["__main__"], "__spec__")   # left as the learner had it
 
 
-def test_a_script_without_a_main_guard_runs_once(tmp_path):
+def test_a_script_without_a_main_guard_runs_once_and_ctrl_c_reaps_its_ranks(tmp_path):
     # forkserver and spawn normally re-import the main script in every child; without a guard
-    # that would launch ranks from inside ranks. distlab.run must just work.
-    proc = run_script(tmp_path, """
+    # that would launch ranks from inside ranks. distlab.run must just work. Then the script's
+    # second launch is interrupted as Ctrl-C in a terminal (or Kernel > Interrupt) does it.
+    # (One script for both: a Python with torch and a forkserver is ≈ 8 CPU-seconds.)
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, time
         import torch, torch.distributed as dist, distlab
-        print("script body runs")
+        print("script body runs", flush=True)
         def fn(rank, world_size):
             t = torch.tensor([rank]); dist.all_reduce(t); return t.item()
-        print(distlab.run(fn, 3))
-    """)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "script body runs\n[3, 3, 3]\n"
+        print(distlab.run(fn, 3), flush=True)
+        def wait(rank, world_size):
+            open(os.path.join({str(tmp_path)!r}, f"pid{{rank}}"), "w").write(str(os.getpid()))
+            time.sleep(120)
+        distlab.run(wait, 3, timeout=120)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    until = time.monotonic() + 120
+    while len(list(tmp_path.glob("pid*"))) < 3 and time.monotonic() < until \
+            and proc.poll() is None:
+        time.sleep(0.1)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    if len(pids) < 3:
+        proc.kill()
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(f"the script's ranks did not all start: {out}\n{err}")
+    time.sleep(0.5)
+    proc.send_signal(2)
+    out, err = proc.communicate(timeout=60)
+    assert out == "script body runs\n[3, 3, 3]\n", err
+    # One line says which ranks were stopped; no traceback through the launcher's event loop.
+    assert err.splitlines()[-1] == "KeyboardInterrupt: distlab.run interrupted: stopped ranks 0, 1 and 2."
+    assert "selectors.py" not in err and "_supervise.py" not in err, err
+    assert wait_gone(pids) == []
 
 
 def test_spawn_start_method_works_too(tmp_path):
@@ -486,28 +511,6 @@ def test_spawn_start_method_works_too(tmp_path):
     """)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[0, 10]"
-
-
-def test_interrupting_a_script_reaps_every_rank(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import os, time, distlab
-        def wait(rank, world_size):
-            open(os.path.join({str(tmp_path)!r}, f"pid{{rank}}"), "w").write(str(os.getpid()))
-            time.sleep(120)
-        distlab.run(wait, 3, timeout=120)
-    """)], stderr=subprocess.PIPE, text=True)
-    until = time.monotonic() + 60
-    while len(list(tmp_path.glob("pid*"))) < 3 and time.monotonic() < until:
-        time.sleep(0.1)
-    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
-    assert len(pids) == 3
-    time.sleep(0.5)
-    proc.send_signal(2)  # what Ctrl-C in a terminal or Kernel > Interrupt does
-    _, err = proc.communicate(timeout=60)
-    # One line says which ranks were stopped; no traceback through the launcher's event loop.
-    assert err.splitlines()[-1] == "KeyboardInterrupt: distlab.run interrupted: stopped ranks 0, 1 and 2."
-    assert "selectors.py" not in err and "_supervise.py" not in err, err
-    assert wait_gone(pids) == []
 
 
 def test_interrupting_a_jupyter_kernel_reaps_every_rank(tmp_path):
