@@ -203,7 +203,7 @@ def test_picture_labels_machines_as_launchers_number_them():
     from distlab.viz import mesh as vm
     fig = vm.draw_mesh((4, 2), ("tp", "dp"), "tp", ranks_per_machine=4)
     labels = [t.get_text() for t in fig.axes[0].texts]
-    assert "(1,1) m0" in labels and "(2,0) m1" in labels   # ranks 3 and 4
+    assert "(1,1)\nm0" in labels and "(2,0)\nm1" in labels   # ranks 3 and 4
     plt.close(fig)
 
 
