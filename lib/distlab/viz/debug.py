@@ -78,7 +78,7 @@ def memory_timeline(rows, ax=None, title=None, phases=None):
                  colors=[_CATEGORY_COLORS[c] for c in names], labels=names, step="post")
     for at, name in phases or ():
         ax.axvline(at, color="black", lw=0.6, ls=":")
-        ax.text(at, 1.0, f" {name}", transform=ax.get_xaxis_transform(), fontsize=7,
+        ax.text(at, 1.0, f" {name}", transform=ax.get_xaxis_transform(), fontsize=8,
                 va="top", rotation=90)
     ax.set_xlim(0, len(rows) - 1)
     ax.set_xlabel("allocation / free events, in order")

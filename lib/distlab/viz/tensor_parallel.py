@@ -113,7 +113,7 @@ def _block_row(sequence_parallel):
     row = []
     for inner in (("QKV\ncolumn", "attention\n(my heads)", "out proj\nrow"),
                   ("fc1\ncolumn", "GeLU\n(my slice)", "fc2\nrow")):
-        row += [("box", "LayerNorm", outside, note), enter]
+        row += [("box", "Layer-\nNorm", outside, note), enter]
         row += [("box", label, SHARDED, note if label.endswith("row") else "")
                 for label in inner]
         row += [leave, ("box", "residual\n(+ dropout)", outside, "")]
@@ -125,10 +125,10 @@ def tp_sp_block(ax=None):
     (bottom): grey = replicated on every TP rank, blue = split by heads / hidden features, green
     = split along the sequence; each red marker is a collective, with what it does in forward
     and in backward (its conjugate); under SP, the replicated parameters' gradient all-reduces
-    are noted above the boxes that hold them."""
+    are noted below the boxes that hold them."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(13, 5.2))
-    w, h, gap = 1.0, 0.8, 0.22
+        _, ax = plt.subplots(figsize=(15, 5.6))
+    w, h, gap = 1.1, 0.8, 0.22
     for r, sp in enumerate((False, True)):
         y = 3.3 - r * 2.9
         x = 0.0
@@ -141,11 +141,12 @@ def tp_sp_block(ax=None):
             if item[0] == "box":
                 _, label, colour, note = item
                 if note:
-                    ax.text(x + w / 2, y + h + 0.06, note, ha="center", va="bottom", fontsize=6.5,
+                    # under the collectives' forward/backward lines (a name sits above)
+                    ax.text(x + w / 2, y - 0.72, note, ha="center", va="top", fontsize=8,
                             color=COMM, style="italic")
                 ax.add_patch(Rectangle((x, y), w, h, facecolor=colour, edgecolor="black",
                                        alpha=0.85))
-                ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=7.5,
+                ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=8,
                         color="white" if colour != REPLICATED else "black")
                 centres.append((x, x + w))
                 x += w + gap
@@ -156,7 +157,7 @@ def tp_sp_block(ax=None):
                 ax.text(cx, y + h + 0.08, name, ha="center", va="bottom", fontsize=8,
                         color=COMM, fontweight="bold")
                 ax.text(cx, y - 0.08, f"fwd: {fwd}\nbwd: {bwd}", ha="center", va="top",
-                        fontsize=6.5, color=COMM)
+                        fontsize=8, color=COMM)
                 centres.append((cx - 0.17, cx + 0.17))
                 x += 0.6 + gap
         for (_, a), (b, _) in zip(centres, centres[1:]):   # the data flows left to right
@@ -166,9 +167,9 @@ def tp_sp_block(ax=None):
                (REPLICATED, SHARDED, SEQUENCE)]
     ax.legend(handles, ["replicated on every TP rank", "split by heads / hidden features",
                         "split along the sequence"], loc="lower center", ncol=3, fontsize=8,
-              bbox_to_anchor=(0.5, -0.08), frameon=False)
+              bbox_to_anchor=(0.5, -0.12), frameon=False)
     ax.set_xlim(-0.2, x + 0.1)
-    ax.set_ylim(-0.6, 4.9)
+    ax.set_ylim(-1.1, 4.9)
     ax.set_aspect("equal")
     ax.axis("off")
     return ax
