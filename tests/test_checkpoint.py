@@ -176,6 +176,9 @@ def test_the_slurm_scripts_torchrun_line_joins_two_agents_standing_in_for_two_no
     assert [a.returncode for a in agents] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     logs = "".join(outs)
     assert "2 ranks (gloo) as dp=1 x pp=1 x tp=2; steps 0..3" in logs   # one world of two agents
+    # only rank 0 logs: each step's line once, all from the agent that runs rank 0
+    steps = [[line for line in out.splitlines() if line.startswith("step ")] for out in outs]
+    assert sorted(len(s) for s in steps) == [0, 4], steps
     assert checkpoint.read(folder)["meta"]["losses"] == uninterrupted["meta"]["losses"]
 
 

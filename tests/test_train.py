@@ -1,21 +1,17 @@
-"""`distlab.train` under torchrun on the CPU: it trains, it checkpoints, and it resumes exactly."""
-import subprocess
-import sys
+"""`distlab.train` on the CPU: it trains, it checkpoints, and it resumes exactly.
+
+Its ranks come from this process's warm launcher, which runs train.main exactly as torchrun's
+workers do; torchrun's own path (its environment, its restart after kill -9, two agents meeting
+at a rendezvous, only rank 0 logging) is tests/test_checkpoint.py's, and chapter 10b's. A
+torchrun of four workers here cost ≈ 30 CPU-seconds for what those runs already prove.
+"""
+import contextlib
+import io
 
 import pytest
 import torch
 
 from distlab import train
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-            "-m", "distlab.train", "--dtype", "float64", "--steps", "5"]
-
-
-def torchrun(*options):
-    done = subprocess.run(TORCHRUN + list(options), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return done.stdout
-
 
 def here(capsys, *options):
     """The same run as `python -m distlab.train` without torchrun starts it: its ranks come from
@@ -35,9 +31,13 @@ def checkpoint(folder):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """dp=2 x tp=2, five steps, never stopped: what the stopped runs must end equal to."""
     folder = tmp_path_factory.mktemp("whole")
-    out = torchrun("--dp", "2", "--pp", "1", "--tp", "2", "--ckpt", str(folder))
-    return folder, out
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train._launch_here(train.parse(["--dtype", "float64", "--steps", "5", "--dp", "2",
+                                        "--pp", "1", "--tp", "2", "--ckpt", str(folder)]))
+    return folder, out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +55,11 @@ def copy_of(stopped, folder):
     shutil.copytree(stopped, folder, dirs_exist_ok=True)
 
 
-def test_torchrun_trains_and_only_rank_0_logs(uninterrupted):
+def test_it_trains_and_only_rank_0_logs(uninterrupted):
     folder, out = uninterrupted
-    lines = out.splitlines()
+    # the launcher prefixes each rank's lines with its rank: every line is rank 0's
+    assert all(line.startswith("[rank 0] ") for line in out.splitlines()), out
+    lines = [line.removeprefix("[rank 0] ") for line in out.splitlines()]
     assert "4 ranks (gloo) as dp=2 x pp=1 x tp=2; steps 0..4" in lines
     assert sum(line.startswith("step ") for line in lines) == 5   # once, not once per rank
     state = checkpoint(folder)
@@ -105,7 +107,7 @@ def test_no_option_is_a_prefix_of_a_torchrun_option():
 def test_a_layout_that_does_not_match_the_ranks_is_refused(capsys):
     """Two ranks started for a layout of four: rank 0 alone says why, in one sentence, and the
     others leave quietly (train.refuse). Started by this process's warm launcher, as torchrun's
-    ranks run train.main; torchrun's own path is the `uninterrupted` run above."""
+    ranks run train.main."""
     import distlab
     args = train.parse(["--dtype", "float64", "--steps", "5", "--dp", "4", "--pp", "1",
                         "--tp", "1"])
