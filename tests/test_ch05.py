@@ -1041,7 +1041,7 @@ def test_performance_numbers_the_prose_quotes():
     assert f"backward, {h100_512[0]['backward_end'] * 1e3:.1f} ms" in text_b
     assert h100_small[64] == pytest.approx(64) and h100_small[128] < 127
     assert f"({h100_small[256]:.0f} at 256)" in text_b
-    assert (f"(2.1 ms across A100 nodes)" in text_b and f"{all_reduce16 * 1e3:.1f}" == "2.1"
+    assert ("(2.1 ms across A100 nodes)" in text_b and f"{all_reduce16 * 1e3:.1f}" == "2.1"
             and f"backward ({alone[True][0]['backward_end'] * 1e3:.1f} ms)" in text_b)
     assert f"keep {two_nodes.bandwidth / 1e9:.0f} GB/s across A100 nodes" in text_b
     assert "(nccl-tests measured 192 GB/s on two DGX A100s)" in text_b   # bench/published.csv

@@ -15,7 +15,7 @@ from distlab.sharding import chunk_bounds, gather_flat
 
 def zero1_step(params, shards, optimizer):
     """The workbook's answer: reduce-scatter padded gradients (list form, imported names)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     for p, s in zip(params, shards):
         c = -(-p.numel() // world)
         out = torch.empty(c, dtype=p.grad.dtype)

@@ -1,6 +1,5 @@
 """Workbook 07's checkers: right answers pass however they are written; wrong structure, wrong
 numbers, cheats and the course's own code are refused with a sentence that names the cause."""
-import dataclasses
 import math
 
 import pytest

@@ -5,7 +5,6 @@ vocabularies that are padded; the loss survives logits near 1000, never gathers 
 equals torch's loss_parallel. One launch per world size."""
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 

@@ -343,7 +343,6 @@ def load(path, stage, mesh, optimizer=None):
     saved = _reader(path).read_metadata().state_dict_metadata
     if "layout" not in saved:                   # written by save(..., sharded=False)
         return _load_dense(path, stage, mesh, optimizer, saved)
-    params = dict(stage.named_parameters())
     want = _state(stage, mesh, optimizer, sharded=True)    # DTensors over THIS run's layout:
     del want["layout"]                          # ... views of the tensors they fill in place
     rng = f"rng.{dist.get_rank()}"

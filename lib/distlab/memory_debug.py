@@ -30,7 +30,6 @@ The allocator here is a model, run on a real step's allocation stream: it shows 
 (reserved vs allocated, a fragmented segment, what expandable segments change), not the bytes a
 given GPU, driver and torch build will report.
 """
-import bisect
 import contextlib
 import math
 
