@@ -414,9 +414,10 @@ class _Recorder:
         return type("Done", (), {"wait": lambda self: None})()
 
 
-@pytest.mark.parametrize("p", [3, 4, 5])
+@pytest.mark.parametrize("p", [3, 4])
 def test_every_stage_sends_to_and_receives_from_its_neighbours(p, monkeypatch):
-    """A wrong neighbour would make the real run hang; recorded here, it fails in a second."""
+    """A wrong neighbour would make the real run hang; recorded here, it fails in a second.
+    An odd and an even number of stages (the real runs above go to 5 and 6)."""
     x, y = regression_data(2 * p, SIZES[0], SIZES[-1], seed=1)
     monkeypatch.setattr(pp, "_common_clock", lambda group: 0.0)
     for name in list(ps.SCHEDULES) + list(ps.V_SCHEDULES):
