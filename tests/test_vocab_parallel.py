@@ -12,19 +12,9 @@ import distlab
 from distlab import tp_comm
 from distlab import tensor_parallel as tpm
 from distlab import vocab_parallel as vp
+from test_tensor_parallel import close      # first differing element, raised on the rank
 
 F64 = torch.float64
-
-
-def close(what, got, expected, atol=1e-12, rtol=1e-10):
-    if got is None or tuple(got.shape) != tuple(expected.shape):
-        raise AssertionError(f"{what}: expected shape {tuple(expected.shape)}, got "
-                             f"{None if got is None else tuple(got.shape)}")
-    bad = ~torch.isclose(got, expected, atol=atol, rtol=rtol)
-    if bad.any():
-        i = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"{what}, element {list(i)}: expected {expected[i].item():.17g}, "
-                             f"got {got[i].item():.17g}")
 
 
 def _dense(vocab, d, tied, seed):

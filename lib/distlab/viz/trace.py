@@ -1,4 +1,6 @@
 """Pictures of a run's trace: what every rank did when, and who sent how much to whom."""
+import textwrap
+
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
@@ -48,7 +50,8 @@ def timeline(trace, ax=None, title=None, until=None, labels=True):
                        " (measured on this machine)"))
     heading = title or "what every rank did"
     if trace.emulated is not None:
-        heading += "\n" + describe(trace.emulated).lstrip("⏱ ")     # fonts lack the emoji
+        # fonts lack the emoji; wrapped, or a multi-link preset's line widens the figure 2×
+        heading += "\n" + textwrap.fill(describe(trace.emulated).lstrip("⏱ "), 130)
     ax.set_title(heading, fontsize=9)
     ax.legend(handles=[Patch(color=COMPUTE, label="compute"),
                        Patch(color=COMM, label="communication in flight"),
