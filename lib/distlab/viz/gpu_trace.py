@@ -1,0 +1,110 @@
+"""One step of a real GPU job's profiler trace, read for overlap, exposed communication and gaps.
+
+    step = read_step("tests/data/hta_resnet50_ddp", "ProfilerStep#5")
+    annotated_step(step)
+
+The step is the GPU side of a torch.profiler step: from the first kernel its forward launched to
+the last its optimizer launched (the `gpu_user_annotation` ranges Kineto writes). The numbers use
+Holistic Trace Analysis' definitions, as `Trace.overlap` does, inside that window.
+"""
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+
+from ..profiler_trace import _base_us, _load, _files, _t0, from_profiler
+from ..trace import _intersection, _merged, _union
+from .trace import COMM, COMPUTE, WAIT
+
+PHASE_COLOURS = {"## forward ##": "#DCE6F2", "## backward ##": "#E8DCF2", "## optimizer ##": "#DFF2DC"}
+IDLE = "#BBBBBB"
+
+
+def read_step(path, step):
+    """The step's phases, kernels and NCCL calls (seconds from the trace's start), and its numbers."""
+    files = _files(path)
+    doc = _load(files[0])
+    origin, base = _t0(doc), _base_us(doc)
+    phases = [(e["name"], (e["ts"] + base - origin) / 1e6, (e["ts"] + e["dur"] + base - origin) / 1e6)
+              for e in doc["traceEvents"] if e.get("cat") == "gpu_user_annotation"
+              and (e.get("args") or {}).get("step") == step]
+    if not phases:
+        raise ValueError(f"{files[0]} has no GPU ranges for {step!r}.")
+    lo, hi = min(a for _, a, _ in phases), max(b for _, _, b in phases)
+    trace = from_profiler(files[0])
+
+    def inside(xs):
+        return [(max(a, lo), min(b, hi)) for a, b in xs if b > lo and a < hi]
+    compute = inside((s["start"], s["end"]) for s in trace.compute(0))
+    calls = [e for e in trace.comm(0) if lo <= e["start"] < hi]
+    comm = inside((e["start"], e["end"]) for e in calls)
+    busy = _union(compute + comm)
+    return dict(step=step, window=(lo, hi), phases=phases, compute=compute, calls=calls,
+                exposed_intervals=_minus(comm, compute), gaps=_minus([(lo, hi)], compute + comm),
+                span=hi - lo, compute_busy=_union(compute), comm_busy=_union(comm),
+                overlapped=_intersection(comm, compute), idle=(hi - lo) - busy,
+                device=(doc.get("deviceProperties") or [{}])[0].get("name"),
+                nccl=(doc.get("distributedInfo") or {}).get("nccl_version"))
+
+
+def _minus(xs, ys):
+    """The parts of intervals xs that no interval of ys covers."""
+    out, ys = [], _merged(ys)
+    for a, b in _merged(xs):
+        for c, d in ys:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return out
+
+
+def annotated_step(step, zoom=None):
+    """Two panels: the whole step, then `zoom` (default: the span of its all-reduces), each with
+    the phases, the compute stream, the NCCL stream (exposed time in red) and the GPU's idle gaps."""
+    lo, hi = step["window"]
+    if zoom is None:
+        reduces = [e for e in step["calls"] if e["op"] == "all_reduce"]
+        zoom = (min(e["start"] for e in reduces) - 1e-3, max(e["end"] for e in reduces) + 1e-3)
+    fig, axes = plt.subplots(2, 1, figsize=(11, 5.6))
+    for ax, (a, b), labels in ((axes[0], (lo, hi), False), (axes[1], zoom, True)):
+        _panel(ax, step, a, b, labels)
+    axes[0].set_title(f"one DDP step of ResNet-50 on 2 × {step['device']} (rank 0; NCCL {step['nccl']})"
+                      " — a real torch.profiler trace", fontsize=10)
+    axes[0].axvspan((zoom[0] - lo) * 1e3, (zoom[1] - lo) * 1e3, color="black", alpha=0.06, lw=0)
+    axes[1].set_title("zoom: the backward's gradient buckets", fontsize=10)
+    handles = [Patch(color=COMPUTE, label="compute kernels"), Patch(color=COMM, label="NCCL kernel, hidden by compute"),
+               Patch(color=WAIT, label="NCCL kernel, exposed (nothing else ran)"),
+               Patch(color=IDLE, label="GPU idle: no kernel at all")]
+    handles += [Patch(color=c, label=n.strip("# ")) for n, c in PHASE_COLOURS.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    return fig
+
+
+def _panel(ax, step, a, b, labels):
+    lo = step["window"][0]
+
+    def bars(y, xs, colour, h=0.6):
+        xs = [(max(s, a), min(e, b)) for s, e in xs if e > a and s < b]
+        ax.broken_barh([((s - lo) * 1e3, (e - s) * 1e3) for s, e in xs], (y - h / 2, h),
+                       color=colour, lw=0)
+    for name, s, e in step["phases"]:
+        if e > a and s < b:
+            ax.axvspan((max(s, a) - lo) * 1e3, (min(e, b) - lo) * 1e3, color=PHASE_COLOURS[name], lw=0)
+    bars(0, step["compute"], COMPUTE)
+    bars(1, [(e["start"], e["end"]) for e in step["calls"]], COMM)
+    bars(1, step["exposed_intervals"], WAIT)
+    bars(2, step["gaps"], IDLE)
+    if labels:
+        for e in step["calls"]:
+            if e["op"] == "all_reduce" and a <= e["start"] < b:
+                ax.text((e["start"] - lo) * 1e3, 1.45, f"{e['bytes'] / 1e6:.1f} MB", fontsize=8)
+    ax.set_yticks([0, 1, 2], ["compute\nstream", "NCCL\nstream", "GPU idle"], fontsize=8)
+    ax.set_ylim(2.6, -0.6)
+    ax.set_xlim((a - lo) * 1e3, (b - lo) * 1e3)
+    ax.set_xlabel("ms from the step's first kernel", fontsize=8)
+    ax.tick_params(labelsize=8)
