@@ -10,7 +10,7 @@ Holistic Trace Analysis' definitions, as `Trace.overlap` does, inside that windo
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from ..profiler_trace import _base_us, _load, _files, _t0, from_profiler
+from ..profiler_trace import _base_us, _files, _load, _subtract, _t0, from_profiler
 from ..trace import _intersection, _merged, _union
 from .trace import COMM, COMPUTE, WAIT
 
@@ -47,19 +47,7 @@ def read_step(path, step):
 
 def _minus(xs, ys):
     """The parts of intervals xs that no interval of ys covers."""
-    out, ys = [], _merged(ys)
-    for a, b in _merged(xs):
-        for c, d in ys:
-            if d <= a or c >= b:
-                continue
-            if c > a:
-                out.append((a, c))
-            a = max(a, d)
-            if a >= b:
-                break
-        if a < b:
-            out.append((a, b))
-    return out
+    return _subtract(_merged(xs), _merged(ys))
 
 
 def annotated_step(step, zoom=None):
