@@ -49,7 +49,7 @@ def test_an_unknown_step_is_refused():
         read_step(DATA, "ProfilerStep#99")
 
 
-def test_the_picture_draws(monkeypatch):
+def test_the_picture_draws():
     import matplotlib
     matplotlib.use("Agg")
     fig = annotated_step(read_step(DATA, "ProfilerStep#5"))
