@@ -128,7 +128,7 @@ def test_v_schedules_are_torchs_and_never_deadlock(p):
 
 def test_v_placement_everywhere():
     assert [ps.virtual_stage(r, c, 3, "v") for r in range(3) for c in (0, 1)] == [0, 5, 1, 4, 2, 3]
-    assert all(ps.stage_of(ps.virtual_stage(r, c, 4, pl), 4, pl) == (r, c)
+    assert all(ps.stage_of(ps.virtual_stage(r, c, 4, pl), 4, pl, c) == (r, c)
                for r in range(4) for c in (0, 1) for pl in ps.PLACEMENTS)
     # the last stage turns around without a message: at once, even with messages costing 10
     t = ps.simulate(ps.zb_v(2, 3), 3, comm=10)

@@ -77,29 +77,38 @@ def _output_shapes(parts, in_shape, dtype, where):
 
 
 class PipelineStage:
-    """This rank's chunks of the model: chunk c is virtual stage c * world_size + rank, or with
-    placement="v" (two chunks: ZB-V, DualPipeV) virtual stages rank and 2 * world_size - 1 - rank."""
+    """This rank's chunks of the model: chunk c is virtual stage c * world_size + rank; with
+    placement="v" (two chunks: ZB-V, DualPipeV) virtual stages rank and 2 * world_size - 1 - rank;
+    with placement="dual" (DualPipe: `parts` is the whole model in world_size pieces, each held
+    twice) pieces rank and world_size - 1 - rank, for the micro-batches entering at stage 0 and
+    at stage world_size - 1. `step` leaves each copy's own gradient in .grad (`train` sums the two)."""
 
     def __init__(self, parts, rank, world_size, in_shape, dtype=torch.float32, group=None,
                  placement="loop"):
+        self.placement = placement_of(None, placement)
+        dual = self.placement == "dual"
+        if dual and (len(parts) != world_size or world_size % 2):
+            raise ValueError(f"the dual placement holds every piece twice: it needs an even "
+                             f"number of stages and one piece per stage; got {len(parts)} "
+                             f"pieces for {world_size} stages.")
         if len(parts) % world_size:
             raise ValueError(f"{len(parts)} model pieces cannot be dealt evenly to {world_size} "
                              f"stages; use a multiple of {world_size}.")
         self.rank, self.p, self.group = rank, world_size, group
-        self.v = len(parts) // world_size
+        self.v = 2 if dual else len(parts) // world_size
         self.n = len(parts)
-        self.placement = placement_of(None, placement)
         if self.placement == "v" and self.v != 2:
             raise ValueError(f"the V placement gives every stage 2 pieces; {len(parts)} pieces "
                              f"for {world_size} stages are {self.v} each.")
-        if self.placement == "v" and dist.is_initialized() and \
+        if self.placement != "loop" and dist.is_initialized() and \
                 "nccl" in str(dist.get_backend(group)) and device().type == "cuda":
             # NCCL pairs send/recv between two ranks in posting order and ignores tags; the V
-            # schedules post activations and gradients to one neighbour in an order that only
-            # tags keep apart (gloo honours them), so the wrong tensors would pair silently.
-            raise ValueError("the V placement (ZB-V, DualPipeV) needs send/recv tags, which "
-                             "NCCL ignores; run it on gloo, or use torch.distributed.pipelining's "
-                             "ScheduleZBVZeroBubble / ScheduleDualPipeV on GPUs.")
+            # and dual schedules post activations and gradients to one neighbour in an order
+            # that only tags keep apart (gloo honours them), so the wrong tensors would pair.
+            raise ValueError("the V and dual placements (ZB-V, DualPipeV, DualPipe) need "
+                             "send/recv tags, which NCCL ignores; run them on gloo, or use "
+                             "torch.distributed.pipelining's ScheduleZBVZeroBubble / "
+                             "ScheduleDualPipeV on GPUs.")
         # A model built on the meta device (a real-size stage under emulation: shapes, no
         # values) talks in meta tensors; any other runs on the course's device.
         self.meta = any(q.is_meta for part in parts for q in part.parameters())
@@ -116,41 +125,88 @@ class PipelineStage:
     def _vs(self, chunk):
         return virtual_stage(self.rank, chunk, self.p, self.placement)
 
-    def _holder(self, vs):
-        """The stage holding virtual stage vs."""
-        return stage_of(vs, self.p, self.placement)[0]
+    def _holder(self, vs, chunk=0):
+        """The stage holding virtual stage vs (for the micro-batches of `chunk`)."""
+        return stage_of(vs, self.p, self.placement, chunk)[0]
 
-    def _local(self, vs):
+    def _local(self, vs, chunk=0):
         """Our chunk holding virtual stage vs (the piece before or after ours is on this rank)."""
-        return stage_of(vs, self.p, self.placement)[1]
+        return stage_of(vs, self.p, self.placement, chunk)[1]
+
+    def _mine(self, vs, chunk):
+        """Is virtual stage vs (next to our chunk `chunk`) on this rank too (the V's turn)?"""
+        return self._holder(vs, chunk) == self.rank
 
     # -- talking to the neighbours --------------------------------------------------------------
-    def _peer(self, vs):
-        holder = self._holder(vs)
+    def _peer(self, vs, chunk=0):
+        holder = self._holder(vs, chunk)
         return dist.get_global_rank(self.group, holder) if self.group else holder
 
-    def _recv(self, shape, vs, tag):
+    def _recv(self, vs, chunk, shape, tag):
         buf = torch.empty(shape, dtype=self.dtype, device=self._device)
-        dist.recv(buf, src=self._peer(vs), group=self.group, tag=tag)
+        dist.recv(buf, src=self._peer(vs, chunk), group=self.group, tag=tag)
         return buf
 
-    def _send(self, tensor, vs, tag):
+    def _send(self, tensor, vs, chunk, tag):
         tensor = tensor.detach().contiguous()
-        self._pending.append((dist.isend(tensor, dst=self._peer(vs), group=self.group, tag=tag),
-                              tensor))
+        self._pending.append((dist.isend(tensor, dst=self._peer(vs, chunk), group=self.group,
+                                         tag=tag), tensor))
+
+    # -- the core: one forward, one backward ----------------------------------------------------
+    def forward(self, chunk, mb, x, y, loss_fn):
+        """F: get the input (the batch's rows, our other chunk's output, or a message), run the
+        chunk, send the output on; the last piece returns its share of the batch's loss."""
+        vs, rows = self._vs(chunk), self._rows[mb]
+        if vs == 0:
+            inp = x[rows]
+        elif self._mine(vs - 1, chunk):
+            inp = self._state[self._local(vs - 1, chunk), mb]["out"].detach().requires_grad_()
+        else:
+            inp = self._recv(vs - 1, chunk, (len(y[rows]), *self.shapes[vs - 1]),
+                             ACTIVATION).requires_grad_()
+        self._start = _now()                     # the action's time starts once its input is here
+        out = self.chunks[chunk](inp)
+        if vs == self.n - 1:                     # the micro-batch's mean loss x its share of the batch
+            out = loss_fn(out, y[rows]) * (len(y[rows]) / len(y))
+        elif not self._mine(vs + 1, chunk):
+            self._send(out, vs + 1, chunk, ACTIVATION)
+        self._state[chunk, mb] = {"inp": inp, "out": out}
+        return out
+
+    def backward(self, chunk, mb, split=False):
+        """B (or, split, I: the input's gradient only; W comes later): get the output's gradient
+        (none after the loss, our other chunk's, or a message), run autograd, send the input's back."""
+        vs, s = self._vs(chunk), self._state[chunk, mb]
+        if vs == self.n - 1:
+            s["grad"] = None
+        elif self._mine(vs + 1, chunk):
+            s["grad"] = self._state[self._local(vs + 1, chunk), mb]["inp"].grad
+        else:
+            s["grad"] = self._recv(vs + 1, chunk, s["out"].shape, GRADIENT)
+        self._start = _now()
+        if split:
+            _input_gradients(s)
+        elif s["out"].requires_grad:             # a first piece without weights has nothing to do
+            _vjp_root(s["out"], s["grad"]).backward()
+        if vs > 0 and not self._mine(vs - 1, chunk):
+            self._send(s["inp"].grad, vs - 1, chunk, GRADIENT)
 
     # -- one training step ------------------------------------------------------------------------
     def step(self, actions, x, y, n_microbatches, loss_fn):
         """Run this stage's actions for one batch; gradients accumulate in .grad.
 
         x is read by the first stage and y by the last (every stage needs only the batch size).
-        Returns the batch's loss on the stage that holds the last layer, else None.
+        Returns the batch's loss on the stage that holds the last layer, else None (the dual
+        placement: on each of the two, the loss of the micro-batches that end there).
+        Around `forward` and `backward`: the bytes autograd saves per micro-batch (peak held),
+        each layer's output for W, the timeline.
         """
         actions = normalize([actions])[0]
         sizes = micro_batch_sizes(len(y), n_microbatches)
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self._rows = [slice(o, o + n) for o, n in zip(offsets, sizes)]
         self._device = torch.device("meta") if self.meta else device()
-        self._pending, state, total = [], {}, None
+        self._pending, self._state, total = [], {}, None
         held, self._held_bytes = {}, 0
         self.timeline, self.peak_activation_bytes, self.peak_in_flight = [], 0, 0
         # Saved tensors that are weights are not activations. (Meta tensors have no storage
@@ -164,17 +220,8 @@ class PipelineStage:
             if a.chunk not in self.chunks:
                 raise ValueError(f"stage {self.rank} has {self.v} chunk(s); {a!r} names chunk "
                                  f"{a.chunk}.")
-            vs, mb, part = self._vs(a.chunk), a.mb, self.chunks[a.chunk]
-            n_mb, key = sizes[mb], (a.chunk, a.mb)
+            vs, key = self._vs(a.chunk), (a.chunk, a.mb)
             if a.kind == "F":
-                if vs == 0:
-                    inp = x[offsets[mb]:offsets[mb] + n_mb]
-                elif self._holder(vs - 1) == self.rank:   # the piece before is ours too
-                    inp = state[(self._local(vs - 1), mb)]["out"].detach().requires_grad_()
-                else:
-                    inp = self._recv((n_mb, *self.shapes[vs - 1]), vs - 1,
-                                     ACTIVATION).requires_grad_()
-                start = _now()
                 held[key] = 0
 
                 def pack(t, key=key):
@@ -183,57 +230,40 @@ class PipelineStage:
                         held[key] += t.numel() * t.element_size()
                     return t
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                        _weight_inputs(part) as layer_outputs:
-                    out = part(inp)
-                    if vs == self.n - 1:
-                        # Each micro-batch's mean loss weighted by its share of the batch: the
-                        # sum is the whole batch's mean loss, even for unequal micro-batches.
-                        out = loss_fn(out, y[offsets[mb]:offsets[mb] + n_mb]) * (n_mb / len(y))
-                        total = out.detach() if total is None else total + out.detach()
-                    elif self._holder(vs + 1) != self.rank:
-                        self._send(out, vs + 1, ACTIVATION)
-                state[key] = {"inp": inp, "out": out, "layers": layer_outputs}
+                        _weight_inputs(self.chunks[a.chunk]) as layer_outputs:
+                    out = self.forward(a.chunk, a.mb, x, y, loss_fn)
+                if vs == self.n - 1:
+                    total = out.detach() if total is None else total + out.detach()
+                self._state[key]["layers"] = layer_outputs
                 self._held_bytes += held[key]
                 self.peak_activation_bytes = max(self.peak_activation_bytes, self._held_bytes)
                 self.peak_in_flight = max(self.peak_in_flight, len(held))
+            elif a.kind in "BI":
+                self.backward(a.chunk, a.mb, split=a.kind == "I")
             else:
-                s = state[key]
-                if a.kind in "BI":
-                    if vs == self.n - 1:
-                        s["grad"] = None
-                    elif self._holder(vs + 1) == self.rank:
-                        s["grad"] = state[(self._local(vs + 1), mb)]["inp"].grad
-                    else:
-                        s["grad"] = self._recv((n_mb, *self.shapes[vs]), vs + 1, GRADIENT)
-                start = _now()
-                if a.kind == "B":
-                    # A first piece without parameters (Flatten) has nothing to differentiate.
-                    if s["out"].requires_grad:
-                        _vjp_root(s["out"], s["grad"]).backward()
-                elif a.kind == "I":
-                    # The input's gradient, and on the way the gradient at every layer output
-                    # that feeds a weight (what W needs): autograd skips the weight-gradient
-                    # products, which nothing asked for. retain_graph: W reuses the graph.
-                    want = ([s["inp"]] if s["inp"].requires_grad else []) + \
-                        [o for _, o in s["layers"]]
-                    got = torch.autograd.grad(_vjp_root(s["out"], s["grad"]), want,
-                                              retain_graph=True, allow_unused=True) if want else []
-                    if s["inp"].requires_grad:
-                        s["inp"].grad, got = got[0], got[1:]
-                    s["layer_grads"] = list(got)
-                elif a.kind == "W":
-                    _weight_gradients(part, s)
-                if a.kind in "BI" and vs > 0 and self._holder(vs - 1) != self.rank:
-                    self._send(s["inp"].grad, vs - 1, GRADIENT)
-                if a.kind in "BW":
-                    self._held_bytes -= held.pop(key)
-                    if vs == 0 or self._holder(vs - 1) != self.rank:
-                        del state[key]   # the piece before on this rank still reads inp.grad
-            self.timeline.append(dict(stage=self.rank, kind=a.kind, mb=mb, chunk=a.chunk,
-                                      start=start - t0, end=_now() - t0))
+                self._start = _now()
+                _weight_gradients(self.chunks[a.chunk], self._state[key])
+            if a.kind in "BW":
+                self._held_bytes -= held.pop(key)
+                if vs == 0 or not self._mine(vs - 1, a.chunk):
+                    del self._state[key]  # the piece before on this rank still reads inp.grad
+            self.timeline.append(dict(stage=self.rank, kind=a.kind, mb=a.mb, chunk=a.chunk,
+                                      start=self._start - t0, end=_now() - t0))
         for work, _ in self._pending:
             work.wait()
         return total
+
+
+def _input_gradients(s):
+    """I: the input's gradient, and on the way the gradient at every layer output that feeds a
+    weight (what W needs): autograd skips the weight-gradient products, which nothing asked for.
+    retain_graph: W reuses the graph."""
+    want = ([s["inp"]] if s["inp"].requires_grad else []) + [o for _, o in s["layers"]]
+    got = torch.autograd.grad(_vjp_root(s["out"], s["grad"]), want, retain_graph=True,
+                              allow_unused=True) if want else []
+    if s["inp"].requires_grad:
+        s["inp"].grad, got = got[0], got[1:]
+    s["layer_grads"] = list(got)
 
 
 class _weight_inputs:
@@ -308,7 +338,9 @@ def _common_clock(group):
 def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, v=1,
           loss_fn=None, lr=0.05, prefix="net.", dtype=torch.float32):
     """Train `model.net` pipelined with `schedule(p, m)` for len(batches) SGD steps (where the
-    chunks sit, the schedule says: a ps.Schedule's placement, else "loop").
+    chunks sit, the schedule says: a ps.Schedule's placement, else "loop"). In the dual placement
+    (DualPipe) the model is cut into p pieces, each held by two stages: before the step the two
+    copies' gradients are summed (`sum_dual_copies`), and the loss is the sum of the two ends'.
 
     Returns, per step, this rank's loss (last stage, else None), gradients and parameters after
     the step by full-model name, and the timeline; for tests and the notebook.
@@ -317,8 +349,10 @@ def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, 
     loss_fn = loss_fn or F.mse_loss
     model = model.to(device=device(), dtype=dtype)
     schedule = schedule(world_size, n_microbatches)
-    stage = PipelineStage(split_model(model.net, world_size * v), rank, world_size, in_shape,
-                          dtype, placement=placement_of(schedule))
+    placement = placement_of(schedule)
+    dual = placement == "dual"
+    stage = PipelineStage(split_model(model.net, world_size * (1 if dual else v)), rank,
+                          world_size, in_shape, dtype, placement=placement)
     actions = schedule[rank]
     named = [(f"{prefix}{n}", p) for c in sorted(stage.chunks)
              for n, p in stage.chunks[c].named_parameters()]
@@ -328,6 +362,8 @@ def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, 
             p.grad = None
         x, y = x.to(device(), dtype), y.to(device(), dtype)
         loss = stage.step(actions, x, y, n_microbatches, loss_fn)
+        if dual:
+            loss = sum_dual_copies(stage, loss)
         grads = {n: p.grad.clone() for n, p in named}
         with torch.no_grad():
             # Plain SGD, as torch.optim.SGD computes it; each stage updates only its own layers.
@@ -339,6 +375,37 @@ def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, 
                         timeline=stage.timeline, peak_bytes=stage.peak_activation_bytes,
                         peak_in_flight=stage.peak_in_flight))
     return out
+
+
+def sum_dual_copies(stage, loss=None):
+    """DualPipe holds every piece twice: stage r's chunk 0 and stage p - 1 - r's chunk 1 are
+    the same layers, each with the gradient of the micro-batches that crossed it. Swap them with
+    the partner stage and add, so both copies hold the whole gradient (and take the same step);
+    the two ends' partial losses are summed the same way. Returns the loss on stages 0 and
+    p - 1, else None."""
+    partner = stage.p - 1 - stage.rank
+    peer = dist.get_global_rank(stage.group, partner) if stage.group else partner
+    mine = [q.grad if q.grad is not None else torch.zeros_like(q)
+            for c in (0, 1) for q in stage.chunks[c].parameters()]
+    ends = stage.rank in (0, stage.p - 1)
+    if ends:
+        mine.append(torch.zeros((), dtype=stage.dtype) if loss is None else loss.detach())
+    flat = torch.cat([g.reshape(-1) for g in mine])
+    theirs = torch.empty_like(flat)
+    send = dist.isend(flat, dst=peer, group=stage.group)
+    dist.recv(theirs, src=peer, group=stage.group)
+    send.wait()
+    sizes = [g.numel() for g in mine]
+    ours = sum(q.numel() for q in stage.chunks[0].parameters())    # our chunk 0's numbers
+    both = flat.numel() - ends
+    # our chunk 0 is the partner's chunk 1 and vice versa: its two parts, swapped
+    theirs = torch.cat([theirs[both - ours:both], theirs[:both - ours], theirs[both:]])
+    for g, t in zip(mine, theirs.split(sizes)):
+        g.add_(t.view_as(g))
+    params = [q for c in (0, 1) for q in stage.chunks[c].parameters()]
+    for q, g in zip(params, mine):
+        q.grad = g
+    return mine[-1] if ends else None
 
 
 # ---- a real-size stage, for the bubble at full size (meta tensors under emulation) ----------------

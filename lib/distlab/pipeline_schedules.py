@@ -13,7 +13,11 @@ c * p + r: the model is cut into p * v pieces dealt round-robin to the stages (t
 placement). ZB-V and DualPipeV place two chunks per stage in a V instead: stage r holds virtual
 stages r and 2p - 1 - r, so a micro-batch goes down the stages and comes back up, and the last
 stage turns it around without a message. Such a schedule is a `Schedule` (a list) whose
-`placement` is "v"; every function here reads it from there.
+`placement` is "v"; every function here reads it from there. The bidirectional DualPipe places
+the model twice ("dual"): the first half of the micro-batches enter at stage 0 and run on chunk
+0, stage r holding piece r; the second half enter at stage p - 1 and run on chunk 1, stage r
+holding piece p - 1 - r. A DualPipe schedule also names its overlapped F&B pairs
+(`Schedule.pairs`), which `simulate` can run as one unit (t_fb).
 
 `simulate` executes such lists like the real ranks do - each stage runs its list in order and
 waits for the tensors it needs - but with fixed durations, and returns every action's start and
@@ -28,16 +32,19 @@ KINDS = ("F", "B", "I", "W")
 
 class Schedule(list):
     """A schedule (one list of actions per stage) that also says where the chunks sit:
-    placement "loop" (chunk c of stage r is virtual stage c * p + r) or "v" (see module doc)."""
+    placement "loop" (chunk c of stage r is virtual stage c * p + r), "v" or "dual" (see module
+    doc); and, for DualPipe's schedules, `pairs`: per stage, the positions i at which actions i
+    and i + 1 are one overlapped forward-and-backward pair (DualPipe's F&B)."""
 
-    def __init__(self, stages, placement="loop"):
+    def __init__(self, stages, placement="loop", pairs=None):
         super().__init__(stages)
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}; got {placement!r}.")
         self.placement = placement
+        self.pairs = [set(q) for q in pairs] if pairs is not None else [set() for _ in stages]
 
 
-PLACEMENTS = ("loop", "v")
+PLACEMENTS = ("loop", "v", "dual")
 
 
 def placement_of(schedule, placement=None):
@@ -52,14 +59,29 @@ def virtual_stage(rank, chunk, p, placement="loop"):
     """Which piece of the model chunk `chunk` of stage `rank` is (0 = the first layers)."""
     if placement == "v":
         return rank if chunk == 0 else 2 * p - 1 - rank
+    if placement == "dual":
+        return rank if chunk == 0 else p - 1 - rank
     return chunk * p + rank
 
 
-def stage_of(vs, p, placement="loop"):
-    """(stage, chunk) holding virtual stage `vs`: the inverse of virtual_stage."""
+def stage_of(vs, p, placement="loop", chunk=0):
+    """(stage, chunk) holding virtual stage `vs`: the inverse of virtual_stage. In the "dual"
+    placement every piece is held twice; `chunk` (the micro-batch's direction) says which copy."""
     if placement == "v":
         return (vs, 0) if vs < p else (2 * p - 1 - vs, 1)
+    if placement == "dual":
+        return (vs, 0) if chunk == 0 else (p - 1 - vs, 1)
     return vs % p, vs // p
+
+
+def n_pieces(p, v, placement="loop"):
+    """How many pieces the model is cut into: p * v (loop), 2p (v), p (dual: held twice)."""
+    return p if placement == "dual" else p * v
+
+
+def direction(mb, m):
+    """DualPipe: micro-batch mb of m enters at stage 0 (0, the first half) or p - 1 (1)."""
+    return 0 if mb < m // 2 else 1
 
 
 def _check(p, m):
@@ -223,9 +245,12 @@ def dualpipe_v(p, m):
     if m < 2 * p:
         raise ValueError(f"DualPipeV needs at least 2p = {2 * p} micro-batches (one per virtual "
                          f"stage, so the two directions of the V both fill); got m={m}.")
-    schedule = []
+    schedule, pairs = [], []
     for r in range(p):
-        ops, nxt, pending = [], {}, []       # next micro-batch per (chunk, kind); W's owed
+        ops, nxt, pending, paired = [], {}, [], set()   # next mb per (chunk, kind); W's owed
+
+        def pair():                 # the next two actions are one overlapped F&B pair
+            paired.add(len(ops))
 
         def add(kind, c):
             key = (c, "I" if kind in "BI" else kind)
@@ -249,12 +274,16 @@ def dualpipe_v(p, m):
             owed_w()
             add("F", 1)
         for i in range(m - 2 * p + r + 1):                  # 4: F0 B1 - F1 B0 (the pairs)
+            if i > 0 or r < p - 1:      # DualPipe leaves the last stage's first pair apart
+                pair()
             add("F", 0)
             add("B", 1)
+            pair()
             add("F", 1)
             add("B", 0)
         for _ in range(p - r - 1):                          # 5: B1 - F1 B0
             add("B", 1)
+            pair()
             add("F", 1)
             add("B", 0)
         split = False
@@ -271,7 +300,35 @@ def dualpipe_v(p, m):
         for _ in range(r + 1):                              # 8: the W's left
             owed_w()
         schedule.append(ops)
-    return Schedule(schedule, "v")
+        pairs.append(paired)
+    return Schedule(schedule, "v", pairs)
+
+
+def dualpipe(p, m):
+    """The bidirectional DualPipe (DeepSeek-V3 technical report, arXiv:2412.19437, section
+    3.2.1; github.com/deepseek-ai/DualPipe): micro-batches 0 .. m/2 - 1 enter at stage 0 and run
+    on chunk 0 (stage r holds piece r), micro-batches m/2 .. m - 1 enter at stage p - 1 and run on
+    chunk 1 (stage r holds piece p - 1 - r). Every piece is held twice, by stages r and
+    p - 1 - r, whose two gradients are summed before the optimizer step.
+
+    Stages r and p - 1 - r run the same eight phases, mirrored: those of DualPipeV's stage
+    min(r, p - 1 - r) with p/2 stages and m/2 micro-batches, where DualPipeV's chunk 0 is the
+    direction that reaches the stage first (for r < p/2 chunk 0, else chunk 1). That is the
+    "cut in half": fold stage p - 1 - r onto stage r and the two directions become one V.
+    Needs p even and m even, m >= 2p (as DualPipe's code asserts).
+    """
+    _check(p, m)
+    if p % 2 or m % 2 or m < 2 * p:
+        raise ValueError(f"DualPipe needs an even number of stages and an even number of "
+                         f"micro-batches, at least 2p = {2 * p} (half enter at each end); got "
+                         f"p={p}, m={m}.")
+    half = dualpipe_v(p // 2, m // 2)
+    schedule = []
+    for r in range(p):
+        flip = int(r >= p // 2)                 # the second half meets direction 1 first
+        schedule.append([Action(a.kind, a.mb + (m // 2) * (a.chunk ^ flip), a.chunk ^ flip)
+                         for a in half[min(r, p - 1 - r)]])
+    return Schedule(schedule, "dual", [half.pairs[min(r, p - 1 - r)] for r in range(p)])
 
 
 def dualpipe_bubble(p, t_f, t_b, t_w, t_fb=None):
@@ -347,7 +404,8 @@ def normalize(schedule):
                 raise ValueError(f"stage {r}: {a!r} has kind {a.kind!r}; use one of {KINDS}.")
             stage.append(a)
         out.append(stage)
-    return Schedule(out, schedule.placement) if isinstance(schedule, Schedule) else out
+    return Schedule(out, schedule.placement, schedule.pairs) if isinstance(schedule, Schedule) \
+        else out
 
 
 def validate(schedule, m, placement=None):
@@ -355,15 +413,22 @@ def validate(schedule, m, placement=None):
     placement = placement_of(schedule, placement)
     schedule = normalize(schedule)
     v = 1 + max((a.chunk for s in schedule for a in s), default=0)
-    if placement == "v" and v != 2:
-        raise ValueError(f"the V placement holds exactly 2 chunks per stage; this schedule "
-                         f"names {v}.")
+    if placement in ("v", "dual") and v != 2:
+        raise ValueError(f"the {'V' if placement == 'v' else 'dual'} placement holds exactly 2 "
+                         f"chunks per stage; this schedule names {v}.")
+    if placement == "dual" and (len(schedule) % 2 or m % 2):
+        raise ValueError(f"the dual placement needs an even number of stages and of "
+                         f"micro-batches (half enter at each end); got {len(schedule)} and {m}.")
     for r, actions in enumerate(schedule):
         seen = set()
         for a in actions:
             if not (0 <= a.mb < m and 0 <= a.chunk < v):
                 raise ValueError(f"stage {r}: {a!r} names micro-batch {a.mb} or chunk {a.chunk}, "
                                  f"but there are {m} micro-batches and {v} chunks.")
+            if placement == "dual" and a.chunk != direction(a.mb, m):
+                raise ValueError(f"stage {r}: {a!r} runs micro-batch {a.mb} on chunk {a.chunk}, "
+                                 f"but in the dual placement it travels on chunk "
+                                 f"{direction(a.mb, m)}.")
             if (a.kind, a.mb, a.chunk) in seen:
                 raise ValueError(f"stage {r} runs {a!r} twice.")
             if a.kind in "BI" and ("F", a.mb, a.chunk) not in seen:
@@ -376,6 +441,8 @@ def validate(schedule, m, placement=None):
             seen.add((a.kind, a.mb, a.chunk))
         for c in range(v):
             for i in range(m):
+                if placement == "dual" and direction(i, m) != c:
+                    continue
                 missing = [k for k in "F" if (k, i, c) not in seen]
                 if ("B", i, c) not in seen and not {("I", i, c), ("W", i, c)} <= seen:
                     missing.append("B (or I and W)")
@@ -389,12 +456,12 @@ def validate(schedule, m, placement=None):
 def _messages(schedule, p, v, placement="loop"):
     """What each stage sends and receives, in its own order: {(src, dst, what): [(mb, vs)...]}."""
     sends, recvs = {}, {}
-    n = p * v
+    n = n_pieces(p, v, placement)
     for r, actions in enumerate(schedule):
         for a in actions:
             vs = virtual_stage(r, a.chunk, p, placement)
-            after = stage_of(vs + 1, p, placement)[0] if vs + 1 < n else r
-            before = stage_of(vs - 1, p, placement)[0] if vs > 0 else r
+            after = stage_of(vs + 1, p, placement, a.chunk)[0] if vs + 1 < n else r
+            before = stage_of(vs - 1, p, placement, a.chunk)[0] if vs > 0 else r
             if a.kind == "F" and after != r:
                 sends.setdefault((r, after, "activation"), []).append((a.mb, vs + 1))
             if a.kind == "F" and before != r:
@@ -422,21 +489,28 @@ def check_message_order(schedule, p, v, placement=None):
                              f"the wrong tensors.")
 
 
-def simulate(schedule, m, t_f=1.0, t_b=2.0, t_w=None, comm=0.0, placement=None):
+def simulate(schedule, m, t_f=1.0, t_b=2.0, t_w=None, comm=0.0, placement=None, t_fb=None):
     """Start and end of every action when each stage runs its list in order and waits for inputs.
 
     t_f, t_b: forward / full backward time of one stage (a chunk takes 1/v of it); t_w: the
     weight-gradient part of the backward (default half); comm: time of one send/recv;
     placement: where the chunks sit (default: the schedule's own, else "loop").
+    t_fb: None (default) runs an overlapped pair of a DualPipe schedule (`Schedule.pairs`) as
+    its F, then its B, each as soon as its own input is there. A number runs each pair as one
+    unit of that time, as DualPipe's code does: the pair starts once both its inputs are there
+    (its activation and its gradient) and both its outputs exist at its end (t_fb = t_f + t_b:
+    no overlap gained, t_fb < t_f + t_b: the overlap hides that much). A pair is drawn as its F
+    then its B, splitting its time in the ratio t_f : t_b.
     Returns a list of dicts {stage, kind, mb, chunk, start, end}. Raises ValueError on a deadlock.
     """
     placement = placement_of(schedule, placement)
+    pairs = getattr(schedule, "pairs", None) if t_fb is not None else None
     schedule, v = validate(schedule, m, placement)
     p = len(schedule)
     check_message_order(schedule, p, v, placement)
     t_w = t_b / 2 if t_w is None else t_w
     cost = {"F": t_f / v, "B": t_b / v, "I": (t_b - t_w) / v, "W": t_w / v}
-    n = p * v
+    n = n_pieces(p, v, placement)
     done = {}                       # (kind, mb, virtual stage) -> end time
     pos, free = [0] * p, [0.0] * p
     timeline = []
@@ -446,11 +520,12 @@ def simulate(schedule, m, t_f=1.0, t_b=2.0, t_w=None, comm=0.0, placement=None):
         vs = virtual_stage(r, a.chunk, p, placement)
         needs = []
         if a.kind == "F" and vs > 0:
-            needs.append(("F", a.mb, vs - 1, stage_of(vs - 1, p, placement)[0] != r))
+            needs.append(("F", a.mb, vs - 1, stage_of(vs - 1, p, placement, a.chunk)[0] != r))
         if a.kind in "BI":
             needs.append(("F", a.mb, vs, False))
             if vs + 1 < n:
-                needs.append(("G", a.mb, vs + 1, stage_of(vs + 1, p, placement)[0] != r))
+                needs.append(("G", a.mb, vs + 1,
+                              stage_of(vs + 1, p, placement, a.chunk)[0] != r))
         if a.kind == "W":
             needs.append(("I", a.mb, vs, False))
         t = 0.0
@@ -460,22 +535,38 @@ def simulate(schedule, m, t_f=1.0, t_b=2.0, t_w=None, comm=0.0, placement=None):
             t = max(t, done[kind, mb, at] + (comm if remote else 0.0))
         return t
 
+    def finish(a, r, start, end, drawn_end):
+        vs = virtual_stage(r, a.chunk, p, placement)
+        done[a.kind, a.mb, vs] = end
+        if a.kind in "BI":
+            done["G", a.mb, vs] = end      # the input gradient exists
+        timeline.append(dict(stage=r, kind=a.kind, mb=a.mb, chunk=a.chunk,
+                             start=start, end=drawn_end))
+
     while any(pos[r] < len(schedule[r]) for r in range(p)):
         progressed = False
         for r in range(p):
             while pos[r] < len(schedule[r]):
                 a = schedule[r][pos[r]]
+                if pairs and pos[r] in pairs[r]:          # an F&B pair, run as one unit
+                    b = schedule[r][pos[r] + 1]
+                    ta, tb = ready(a, r), ready(b, r)
+                    if ta is None or tb is None:
+                        break
+                    start = max(ta, tb, free[r])
+                    free[r] = end = start + t_fb / v
+                    split = start + (end - start) * cost[a.kind] / (cost[a.kind] + cost[b.kind])
+                    finish(a, r, start, end, split)
+                    finish(b, r, split, end, end)
+                    pos[r] += 2
+                    progressed = True
+                    continue
                 t = ready(a, r)
                 if t is None:
                     break
                 start = max(t, free[r])
                 free[r] = end = start + cost[a.kind]
-                vs = virtual_stage(r, a.chunk, p, placement)
-                done[a.kind, a.mb, vs] = end
-                if a.kind in "BI":
-                    done["G", a.mb, vs] = end      # the input gradient exists
-                timeline.append(dict(stage=r, kind=a.kind, mb=a.mb, chunk=a.chunk,
-                                     start=start, end=end))
+                finish(a, r, start, end, end)
                 pos[r] += 1
                 progressed = True
         if not progressed:
