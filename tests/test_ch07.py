@@ -419,6 +419,16 @@ def test_chapter_07_vocab_gqa_rng_and_korthikanti_prose_is_computed():
     assert tpm.kv_head_split(8, 1, 2)["copies"] > 1 and tpm.kv_head_split(8, 1, 1)["copies"] == 1
     assert "Gemma 2B) replicates K and V on every rank from tp = 2" in prose
     assert "4/1 (×2)" in outputs and "refused" in outputs
+    # the GQA layer's run: equal to dense at tp = 2 and 4 on every rank; the K/V gather's bytes
+    # (2·b·t·n_kv_heads·d_head float64 = 2·2·8·2·4·8) beside the all-reduced activation (2·8·32·8)
+    for tp in (2, 4):
+        for rank in range(tp):
+            assert re.search(rf"\[rank {rank}\] tp={tp}: .*every grad\): True", outputs), (tp, rank)
+    assert f"forward all_gather {2 * 2 * 8 * 2 * 4 * 8:,} B, forward all_reduce {2 * 8 * 32 * 8:,} B" \
+        in outputs
+    assert "K and V forward and its reduce-scatter backward" in prose and "(2,048 B here," in prose
+    assert f"{2 * 8 * 128:,} values per token against the 8,192" in prose   # Llama-3 70B
+    assert "so tp = 8 is the largest degree at which they split without copies" in prose
     # the RNG tracker's offset, as the prose and Megatron-LM have it
     assert "seed + 2718 + tp_rank" in prose and "2718" in inspect.getsource(tpm.model_parallel_seed)
     # the vocabulary: the tiny GPT's 64 entries over 3 ranks, padded; Megatron's 128·tp

@@ -9,7 +9,7 @@ import torch.nn as nn
 import distlab
 from distlab import tensor_parallel as tpm
 from distlab import tp_comm
-from distlab.models import Block
+from distlab.models import Attention, Block, GroupedQueryAttention
 
 TIMEOUT = 120
 F64 = torch.float64
@@ -171,6 +171,105 @@ def _mesh_case(rank, ws):
 
 def test_block_on_the_tp_groups_of_a_mesh():
     assert distlab.run(_mesh_case, 4, timeout=TIMEOUT) == [True] * 4
+
+
+# ---- grouped-query attention --------------------------------------------------------------------
+
+def _gqa_case(rank, ws, n_heads, n_kv_heads, d_head):
+    """ParallelAttention(n_kv_heads=...) against the dense GroupedQueryAttention, with and
+    without sequence parallel: output, input grad, every parameter's grad (its dense slice)."""
+    torch.manual_seed(0)
+    d = n_heads * d_head
+    dense = GroupedQueryAttention(d, n_heads, n_kv_heads).to(F64)
+    x = torch.randn(2, 2 * ws, d, dtype=F64)
+    xd = x.clone().requires_grad_()
+    y = dense(xd)
+    (y * y).sum().backward()
+    for sp in (False, True):
+        cut = (lambda z: tpm.sequence_slice(z, None)) if sp else (lambda z: z)
+        tp = tpm.ParallelAttention.from_dense(dense, None, sp)
+        xt = cut(x).clone().requires_grad_()
+        yt = tp(xt)
+        (yt * yt).sum().backward()
+        where = f"tp={ws}, {n_heads} q / {n_kv_heads} kv heads, sp={sp}"
+        close(f"{where} output", yt.detach(), cut(y.detach()))
+        close(f"{where} input grad", xt.grad, cut(xd.grad))
+        expected = tpm.dense_shards(tp, dense, grads=True)
+        assert set(expected) == {"qkv.weight", "qkv.bias", "proj.weight", "proj.bias"}
+        for name, p in tp.named_parameters():
+            close(f"{where} grad of {name}", p.grad, expected[name])
+    group = n_heads // n_kv_heads            # query heads per K/V head
+    return list(tp.q_heads), list(tp.kv_heads), tp.kv_copies, group
+
+
+@pytest.mark.parametrize("ws,n_heads,n_kv_heads,d_head",
+                         [(1, 4, 2, 4), (2, 4, 2, 4), (4, 4, 2, 4), (3, 6, 3, 2), (6, 6, 3, 2)])
+def test_grouped_query_attention_equals_dense(ws, n_heads, n_kv_heads, d_head):
+    got = distlab.run(_gqa_case, ws, n_heads, n_kv_heads, d_head, timeout=TIMEOUT)
+    copies = max(1, ws // n_kv_heads)
+    for rank, (q_heads, kv_heads, kv_copies, group) in enumerate(got):
+        per = n_heads // ws
+        assert q_heads == list(range(rank * per, (rank + 1) * per))
+        # a rank's K/V heads are exactly those its query heads use
+        assert kv_heads == sorted({h // group for h in q_heads})
+        assert kv_copies == copies
+    # past tp = n_kv_heads, each K/V head is used by tp / n_kv_heads ranks
+    held = [h for _, kv_heads, _, _ in got for h in kv_heads]
+    assert sorted(held) == sorted(list(range(n_kv_heads)) * copies)
+
+
+def _mha_unchanged_case(rank, ws):
+    """n_kv_heads=None is the multi-head layer of before (parameters, shapes, numbers), and
+    the dense GQA reference with n_kv_heads = n_heads is the dense multi-head Attention."""
+    torch.manual_seed(0)
+    mha = Attention(8, 4).to(F64)
+    gqa = GroupedQueryAttention(8, 4, 4).to(F64)
+    gqa.load_state_dict(mha.state_dict())
+    x = torch.randn(2, 4, 8, dtype=F64)
+    close("GQA reference with n_kv = n_heads", gqa(x), mha(x))
+    tp = tpm.ParallelAttention.from_dense(mha)
+    shapes = {n: tuple(p.shape) for n, p in tp.named_parameters()}
+    assert shapes == {"qkv.weight": (24 // ws, 8), "qkv.bias": (24 // ws,),
+                      "proj.weight": (8, 8 // ws), "proj.bias": (8,)}, shapes
+    assert tp.n_kv_heads is None and tp.kv_copies == 1 and tp.local_kv_heads == tp.local_heads
+    close("MHA output", tp(x), mha(x))
+    return True
+
+
+def test_multi_head_attention_is_unchanged():
+    assert distlab.run(_mha_unchanged_case, 2, timeout=TIMEOUT) == [True, True]
+
+
+def _gqa_error_case(rank, ws):
+    attempts = {"heads": lambda: tpm.ParallelAttention(24, 6, n_kv_heads=3),
+                "groups": lambda: tpm.ParallelAttention(16, 8, n_kv_heads=3),
+                "kv split": lambda: tpm.ParallelAttention(24, 12, n_kv_heads=6),
+                "kv multiple": lambda: tpm.ParallelAttention(24, 12, n_kv_heads=3),
+                "d_head": lambda: tpm.ParallelAttention(4, 4, n_kv_heads=2)}
+    messages = {}
+    for what, attempt in attempts.items():
+        try:
+            attempt()
+        except ValueError as e:
+            messages[what] = str(e)
+    return messages
+
+
+def test_grouped_query_attention_configuration_errors_are_clear_sentences():
+    messages = distlab.run(_gqa_error_case, 4, timeout=TIMEOUT)[0]
+    assert messages == {
+        "heads": "n_heads=6 does not split evenly across 4 tensor-parallel ranks; choose a tp "
+                 "that divides it and suits n_kv_heads=3: one of [1, 3, 6].",
+        "groups": "n_heads=8 must be a multiple of n_kv_heads=3 (each K/V head serves a group "
+                  "of query heads).",
+        "kv split": "n_kv_heads=6 does not split evenly across 4 ranks; choose a tp that divides "
+                    "it (or a multiple of it): one of [1, 2, 3, 6, 12].",
+        "kv multiple": "tp=4 > n_kv_heads=3 needs tp to be a multiple of n_kv_heads, so that "
+                       "every K/V head is shared by the same number of ranks; choose one of "
+                       "[1, 3, 6, 12].",
+        "d_head": "d_head = 1 (d_model 4 / n_heads 4) must be a multiple of tp / n_kv_heads = 2: "
+                  "each K/V head's projection is split across the 2 ranks that share it; "
+                  "choose such a d_model, or a tp of at most n_kv_heads = 2."}
 
 
 # ---- clear errors -------------------------------------------------------------------------------

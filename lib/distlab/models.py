@@ -68,6 +68,36 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
+class GroupedQueryAttention(nn.Module):
+    """Causal grouped-query attention (GQA, Ainslie et al. 2023): n_heads query heads and
+    n_kv_heads key/value heads; K/V head j serves query heads j·g ... (j+1)·g − 1, with
+    g = n_heads / n_kv_heads (n_kv_heads = n_heads is multi-head attention, 1 multi-query).
+    One stacked projection `qkv` (q, then k, then v), as in Attention; K and V are n_kv_heads
+    heads wide, so it has d_model + 2·n_kv_heads·d_head outputs."""
+
+    def __init__(self, d_model, n_heads, n_kv_heads):
+        super().__init__()
+        if d_model % n_heads or n_kv_heads < 1 or n_heads % n_kv_heads:
+            raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}, and "
+                             f"n_heads a multiple of n_kv_heads={n_kv_heads} (each K/V head "
+                             f"serves a group of query heads).")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
+        kv = n_kv_heads * self.head_dim
+        self.qkv = nn.Linear(d_model, d_model + 2 * kv)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        kv = self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([d, kv, kv], dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = (z.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2) for z in (k, v))
+        group = self.n_heads // self.n_kv_heads   # each K/V head, copied for its query heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
 class FeedForward(nn.Module):
     def __init__(self, d_model, hidden):
         super().__init__()
