@@ -26,8 +26,13 @@ def checksums(model):
     The plain sum misses a swap of two elements; the weighted one catches it. Both are exact enough
     in float64 that equal replicas give bit-identical checksums.
     """
+    return tensor_checksums(model.parameters())
+
+
+def tensor_checksums(tensors):
+    """`checksums` of any tensors (parameters, gradients): one row of two numbers per tensor."""
     rows = []
-    for p in model.parameters():
+    for p in tensors:
         flat = p.detach().reshape(-1).double()
         weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
         rows.append(torch.stack([flat.sum(), (flat * weights).sum()]))
