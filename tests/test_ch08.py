@@ -438,10 +438,28 @@ def test_real_size_bubble_numbers_the_prose_quotes():
         return max(e["end"] for e in timeline) - M * (t_f + t_i + t_w)
     assert idle(ps.one_f_one_b(P, M)) == pytest.approx((P - 1) * (t_f + t_i + t_w), rel=1e-9)
     assert idle(ps.zb_h1(P, M)) == pytest.approx((P - 1) * (t_f + t_i - t_w), rel=1e-9)
-    dualpipe = ps.dualpipe_bubble(2 * P, t_f / 2, (t_i + t_w) / 2, t_w / 2)
-    assert dualpipe > 1.5 * idle(ps.dualpipe_v(P, M))
-    assert "the report's formula is well above what the simulator finds" in text
     assert "For 1F1B and ZB-H1 the report's formulas and the simulator agree" in text
+    # DualPipeV: the report's formula over the simulator, and the two factors that make it up
+    report = ps.dualpipe_bubble(2 * P, t_f / 2, (t_i + t_w) / 2, t_w / 2)
+    v = ps.dualpipe_v(P, M)
+    apart = idle(v)
+    unit = max(e["end"] for e in ps.simulate(v, M, t_fb=t_f + t_i + t_w, **real)) - \
+        M * (t_f + t_i + t_w)
+    assert f"the report's number is {report / apart:.2f} times the simulator's first one" in text
+    assert f"**The pair as one unit: × {unit / apart:.2f}.**" in text
+    assert f"**The formula assumes I = F: × {report / unit:.2f}.**" in text
+    assert f"Here I = {t_i / t_f:.2f} F, and the formula is {100 * (report / unit - 1):.0f} % " \
+           f"above the simulator" in text
+    # with I = F the formula is the simulator's, pairs as units
+    same = dict(t_f=t_f, t_b=t_f + t_w, t_w=t_w, t_fb=2 * t_f + t_w)
+    at_i_f = max(e["end"] for e in ps.simulate(v, M, **same)) - M * (2 * t_f + t_w)
+    assert at_i_f == pytest.approx(ps.dualpipe_bubble(2 * P, t_f / 2, (t_f + t_w) / 2, t_w / 2),
+                                   rel=1e-9)
+    # the bidirectional DualPipe on the same ranks, pairs as units
+    dual = max(e["end"] for e in ps.simulate(ps.dualpipe(P, M), M, t_fb=t_f + t_i + t_w,
+                                             **real)) - M * (t_f + t_i + t_w)
+    assert f"on the same 4 ranks idles {dual * 1e3:.2f} ms against DualPipeV's " \
+           f"{unit * 1e3:.2f}" in text
 
 
 def test_v_schedule_prose_numbers():
@@ -463,3 +481,10 @@ def test_v_schedule_prose_numbers():
     assert "half ZB-H1's idle time at 1F1B's peak memory" in text
     # at F = I = W the report's DualPipe formula, in chunk units, is twice the simulator's
     assert ps.dualpipe_bubble(2 * p, 0.5, 1, 0.5) == pytest.approx(2 * idle["DualPipeV"])
+    # the bidirectional DualPipe: less idle, p + 1 micro-batches, two copies of the parameters
+    dual = ps.dualpipe(p, m)
+    t = ps.simulate(dual, m, t_f=1, t_b=2, t_w=1)
+    assert max(e["end"] for e in t) - 3 * m == pytest.approx(1.0)
+    assert max(ps.peak_in_flight(a) for a in dual) == p + 1 and dual.placement == "dual"
+    assert "DualPipe idles less still, 1 against 1.5, but it holds two copies of the " \
+           "parameters and p + 1 = 5 micro-batches" in text

@@ -100,6 +100,23 @@ def _torch_order(cls, p, m):
     return out
 
 
+def _torch_pairs(p, m):
+    """Where torch's ScheduleDualPipeV runs an overlapped pair (OVERLAP_F_B), per rank: the
+    position of its forward in the order above."""
+    from torch.distributed.pipelining import schedules as S
+    o = object.__new__(S.ScheduleDualPipeV)
+    o.pp_group_size, o._n_microbatches, o.num_stages, o._num_stages = p, m, 2 * p, 2 * p
+    out = []
+    for r in range(p):
+        pos, pairs = 0, set()
+        for a in filter(None, o._calculate_single_rank_operations(r)):
+            if a.computation_type == S.OVERLAP_F_B:
+                pairs.add(pos)
+            pos += len(a.sub_actions) if a.computation_type == S.OVERLAP_F_B else 1
+        out.append(pairs)
+    return out
+
+
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
 def test_v_schedules_are_torchs_and_never_deadlock(p):
     from torch.distributed.pipelining import schedules as S
@@ -118,12 +135,97 @@ def test_v_schedules_are_torchs_and_never_deadlock(p):
         if m >= 2 * p:
             dp = ps.dualpipe_v(p, m)
             assert [list(s) for s in dp] == _torch_order(S.ScheduleDualPipeV, p, m), (p, m)
+            assert dp.pairs == _torch_pairs(p, m), (p, m)     # its OVERLAP_F_B actions
             timeline = ps.simulate(dp, m, t_f=1, t_b=2, t_w=1)
             assert ps.bubble_fraction(timeline) == pytest.approx(ps.zb_v_bubble(p, m), abs=1e-12)
             assert [ps.peak_in_flight(s) for s in dp] == [2 * p + 1] * p    # one chunk more
         else:
             with pytest.raises(ValueError, match=f"needs at least 2p = {2 * p} micro-batches"):
                 ps.dualpipe_v(p, m)
+
+
+def _idle_per_stage(timeline):
+    span = max(e["end"] for e in timeline) - min(e["start"] for e in timeline)
+    return max(span - sum(e["end"] - e["start"] for e in timeline if e["stage"] == r)
+               for r in {e["stage"] for e in timeline})
+
+
+# a chunk's F (= its I), W, and F&B (from F + W: no overlap, down to max(F, B): all of it hidden)
+@pytest.mark.parametrize("p, m, t_f, t_w, t_fb", [(2, 4, 1.0, 1.0, 3.0), (3, 7, 1.7, 0.6, 3.5),
+                                                  (4, 8, 1.0, 0.5, 2.1), (5, 12, 2.0, 1.3, 4.4),
+                                                  (6, 13, 0.8, 0.8, 2.4)])
+def test_dualpipe_formula_is_the_simulator_with_pairs_as_units(p, m, t_f, t_w, t_fb):
+    """The DeepSeek-V3 report's DualPipe idle time (p/2 - 1)(F&B + B - 3W), p counting stages,
+    is what the simulator finds for DualPipeV on p ranks (2p stages) and for the bidirectional
+    DualPipe on 2p ranks when each F&B pair runs as one unit and I = F (W no longer than F)."""
+    t_b = t_f + t_w                                            # B = I + W, I = F
+    formula = ps.dualpipe_bubble(2 * p, t_f, t_b, t_w, t_fb)
+    v = ps.simulate(ps.dualpipe_v(p, m), m, 2 * t_f, 2 * t_b, 2 * t_w, t_fb=2 * t_fb)
+    assert _idle_per_stage(v) == pytest.approx(formula, rel=1e-9)
+    dual = ps.simulate(ps.dualpipe(2 * p, 2 * m), 2 * m, t_f, t_b, t_w, t_fb=t_fb)
+    assert _idle_per_stage(dual) == pytest.approx(formula, rel=1e-9)
+    if t_fb == t_f + t_b:                  # each pair apart idles less: by (p - 1) F at F = W
+        apart = ps.simulate(ps.dualpipe_v(p, m), m, 2 * t_f, 2 * t_b, 2 * t_w)
+        assert _idle_per_stage(apart) == pytest.approx((p - 1) * (t_f + t_f - t_w), rel=1e-9)
+
+
+def test_dualpipe_formula_assumes_input_gradient_equal_to_forward():
+    """With I != F the report's formula is not the simulated ramp, even with the pairs as units:
+    at the chapter's ratio I = 1.43 F it is above, with I < F below."""
+    for t_i, above in ((1.43, True), (0.8, False)):
+        t_f, t_w = 1.0, 0.76
+        t_b = t_i + t_w
+        unit = ps.simulate(ps.dualpipe_v(4, 8), 8, 2 * t_f, 2 * t_b, 2 * t_w,
+                           t_fb=2 * (t_f + t_b))
+        formula = ps.dualpipe_bubble(8, t_f, t_b, t_w)
+        assert (formula > 1.05 * _idle_per_stage(unit)) if above else \
+            (formula < 0.95 * _idle_per_stage(unit))
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (2, 6), (4, 8), (4, 10), (6, 12), (8, 20)])
+def test_dualpipe_is_dualpipe_v_mirrored(p, m):
+    """The bidirectional DualPipe: the first half of the micro-batches on chunk 0 from stage 0,
+    the second on chunk 1 from stage p - 1; stages r and p - 1 - r run DualPipeV's rank
+    min(r, p - 1 - r) lists (p/2 ranks, m/2 micro-batches), directions swapped in the second
+    half; every (micro-batch, piece) gets F, and B or I then W, exactly once, after its inputs;
+    its timeline is DualPipeV's rank for rank, with or without pairs as units."""
+    dual, half = ps.dualpipe(p, m), ps.dualpipe_v(p // 2, m // 2)
+    assert dual.placement == "dual" and len(dual) == p
+    for r, actions in enumerate(dual):
+        h, flip = min(r, p - 1 - r), int(r >= p // 2)
+        assert [(a.kind, a.mb - (m // 2) * a.chunk, a.chunk ^ flip) for a in actions] == \
+            [tuple(a) for a in half[h]]
+        assert all(a.chunk == (a.mb >= m // 2) for a in actions)
+        assert dual.pairs[r] == half.pairs[h]
+    for t_fb in (None, 3.0, 2.4):
+        t = ps.simulate(dual, m, t_f=1, t_b=2, t_w=1, t_fb=t_fb)
+        tv = ps.simulate(half, m // 2, t_f=2, t_b=4, t_w=2, t_fb=None if t_fb is None else 2 * t_fb)
+        end = {r: max(e["end"] for e in t if e["stage"] == r) for r in range(p)}
+        end_v = {r: max(e["end"] for e in tv if e["stage"] == r) for r in range(p // 2)}
+        assert all(end[r] == pytest.approx(end_v[min(r, p - 1 - r)]) for r in range(p))
+        # each piece of each micro-batch: F after the piece before, B (or I) after the piece
+        # after, W after I; each once
+        at = {}
+        for e in t:
+            vs = ps.virtual_stage(e["stage"], e["chunk"], p, "dual")
+            key = (e["kind"], e["mb"], vs)
+            assert key not in at
+            at[key] = e
+        for mb in range(m):
+            for vs in range(p):
+                f = at["F", mb, vs]
+                back = at.get(("B", mb, vs)) or at["I", mb, vs]
+                assert ("B", mb, vs) in at or at["W", mb, vs]["start"] >= back["end"] - 1e-12
+                assert back["start"] >= f["end"] - 1e-12
+                if vs > 0:
+                    assert f["start"] >= at["F", mb, vs - 1]["end"] - 1e-12
+                if vs < p - 1:
+                    nxt = at.get(("B", mb, vs + 1)) or at["I", mb, vs + 1]
+                    assert back["start"] >= nxt["end"] - 1e-12
+    assert [ps.peak_in_flight(a) for a in dual] == [p + 1] * p       # the report's PP + 1
+    for bad in ((3, 6), (4, 7), (4, 6)):
+        with pytest.raises(ValueError, match="DualPipe needs an even number of stages"):
+            ps.dualpipe(*bad)
 
 
 def test_v_placement_everywhere():
@@ -258,6 +360,37 @@ def test_v_schedules_equal_one_process(p, ms):
                 [tuple(a) for a in schedule[rank]]
             assert r[name][-1]["peak_in_flight"] == max(
                 ps.peak_in_flight(schedule[rank][:i + 1]) for i in range(len(schedule[rank])))
+
+
+def _train_dual(rank, world_size, batches, m):
+    return pp.train(rank, world_size, ps.dualpipe, make_mlp(SIZES, seed=0), batches, m,
+                    (SIZES[0],), lr=LR, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8)])
+def test_dualpipe_equal_one_process(p, m):
+    """The bidirectional DualPipe over send/recv, every piece held by two ranks whose gradients
+    are summed before the step: losses (on both ends), gradients and weights (both copies) equal
+    to one process's in float64, over unequal micro-batches; the ranks ran the schedule's order."""
+    x, y = regression_data(64, SIZES[0], SIZES[-1], seed=1)
+    batches = batches_of(x, y, 23, 2)
+    got = distlab.run(_train_dual, p, batches, m, timeout=120)
+    expected = _reference(batches)
+    names = sorted(n for r in got for n in r[0]["grads"])
+    assert names == sorted(2 * list(expected[0]["grads"]))          # each piece twice
+    for step, exp in enumerate(expected):
+        losses = [r[step]["loss"] for r in got if r[step]["loss"] is not None]
+        assert len(losses) == 2 and losses[0] == losses[1]           # stages 0 and p - 1
+        assert losses[0] == pytest.approx(exp["loss"], rel=1e-12, abs=1e-14)
+        for r in got:
+            for what in ("grads", "params"):
+                for n, t in r[step][what].items():
+                    torch.testing.assert_close(t, exp[what][n], rtol=1e-12, atol=1e-14,
+                                               msg=f"DualPipe step {step}: {what} of {n}")
+    schedule = ps.dualpipe(p, m)
+    for rank, r in enumerate(got):
+        assert [(e["kind"], e["mb"], e["chunk"]) for e in r[-1]["timeline"]] == \
+            [tuple(a) for a in schedule[rank]]
 
 
 def _peaks(rank, world_size, name, m):

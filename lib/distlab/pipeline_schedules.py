@@ -492,8 +492,10 @@ def check_message_order(schedule, p, v, placement=None):
 def simulate(schedule, m, t_f=1.0, t_b=2.0, t_w=None, comm=0.0, placement=None, t_fb=None):
     """Start and end of every action when each stage runs its list in order and waits for inputs.
 
-    t_f, t_b: forward / full backward time of one stage (a chunk takes 1/v of it); t_w: the
-    weight-gradient part of the backward (default half); comm: time of one send/recv;
+    t_f, t_b: forward / full backward time of one stage (a chunk takes 1/v of it; in the dual
+    placement a micro-batch crosses one piece per stage, 1/p of the model, which takes the whole
+    time); t_w: the weight-gradient part of the backward (default half); comm: time of one
+    send/recv;
     placement: where the chunks sit (default: the schedule's own, else "loop").
     t_fb: None (default) runs an overlapped pair of a DualPipe schedule (`Schedule.pairs`) as
     its F, then its B, each as soon as its own input is there. A number runs each pair as one
@@ -509,7 +511,8 @@ def simulate(schedule, m, t_f=1.0, t_b=2.0, t_w=None, comm=0.0, placement=None, 
     p = len(schedule)
     check_message_order(schedule, p, v, placement)
     t_w = t_b / 2 if t_w is None else t_w
-    cost = {"F": t_f / v, "B": t_b / v, "I": (t_b - t_w) / v, "W": t_w / v}
+    share = 1 if placement == "dual" else v         # of a stage's time, one action's
+    cost = {"F": t_f / share, "B": t_b / share, "I": (t_b - t_w) / share, "W": t_w / share}
     n = n_pieces(p, v, placement)
     done = {}                       # (kind, mb, virtual stage) -> end time
     pos, free = [0] * p, [0.0] * p
@@ -554,7 +557,7 @@ def simulate(schedule, m, t_f=1.0, t_b=2.0, t_w=None, comm=0.0, placement=None, 
                     if ta is None or tb is None:
                         break
                     start = max(ta, tb, free[r])
-                    free[r] = end = start + t_fb / v
+                    free[r] = end = start + t_fb / share
                     split = start + (end - start) * cost[a.kind] / (cost[a.kind] + cost[b.kind])
                     finish(a, r, start, end, split)
                     finish(b, r, split, end, end)
