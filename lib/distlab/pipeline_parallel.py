@@ -11,6 +11,11 @@ Sends are non-blocking (isend) so a stage never waits for its neighbour to pick 
 receives block, which is where the bubbles are. Every action's start and end are recorded
 (on the rank's virtual clock when the run is emulated: distlab.run(..., emulate=...)).
 
+The core of a step is two methods: `forward` (receive, run the chunk, send) and `backward`
+(receive the gradient, autograd, send the input's gradient back); `step` adds the accounting
+around them. Placements: "loop" (interleaved), "v" (ZB-V, DualPipeV) and "dual" (the
+bidirectional DualPipe: every piece on two ranks, their gradients summed by `sum_dual_copies`).
+
 ZB's split backward works layer by layer, as production implementations do: `I` asks autograd
 for the input's gradient and the gradient at every layer output that feeds a weight (autograd
 then skips the weight-gradient products), `W` multiplies each by its layer's input.

@@ -338,7 +338,13 @@ def dualpipe_bubble(p, t_f, t_b, t_w, t_fb=None):
     what the overlap hides is communication) and t_f, t_b, t_w are a chunk's forward, full
     backward and weight-gradient times. Beside it, the same table's 1F1B: (p - 1)(t_f + t_b),
     and ZB1P (ZB-H1): (p - 1)(t_f + t_b - 2 t_w). Here p is DualPipe's number of ranks (DualPipeV:
-    twice its ranks, the number of chunks)."""
+    twice its ranks, the number of chunks).
+
+    The report does not derive it. It is exactly `simulate`'s idle time per stage of `dualpipe`
+    and `dualpipe_v` when each F&B pair runs as one unit (t_fb=, as DualPipe's code runs a pair)
+    and the input-gradient part of the backward takes as long as the forward (t_b - t_w = t_f,
+    with t_w <= t_f). With the pairs run apart (the default) the idle is lower, (p/2 - 1)
+    (t_f + t_b - 2 t_w) at I = F; with I != F the formula is off the simulated ramp."""
     t_fb = t_f + t_b if t_fb is None else t_fb
     return (p / 2 - 1) * (t_fb + t_b - 3 * t_w)
 
