@@ -54,29 +54,3 @@ def test_the_picture_draws():
     matplotlib.use("Agg")
     fig = annotated_step(read_step(DATA, "ProfilerStep#5"))
     assert len(fig.axes) == 2
-
-
-def test_the_stored_picture_keeps_every_colour_in_a_third_of_the_bytes():
-    import io
-
-    import matplotlib
-    matplotlib.use("Agg")
-    from matplotlib.colors import to_rgb
-    from PIL import Image
-
-    from distlab.viz.debug import compact_png
-    from distlab.viz.gpu_trace import IDLE, PHASE_COLOURS
-    from distlab.viz.trace import COMM, COMPUTE, WAIT
-
-    fig = annotated_step(read_step(DATA, "ProfilerStep#5"))
-    plain = io.BytesIO()
-    fig.savefig(plain, format="png", dpi=100, bbox_inches="tight")
-    picture = compact_png(fig)
-    shown = Image.open(io.BytesIO(picture.data))
-    assert shown.mode == "P" and shown.size == Image.open(plain).size
-    assert len(picture.data) < len(plain.getvalue()) / 2.5
-    colours = {c for _, c in shown.convert("RGB").getcolors(1 << 16)}
-    for name in (COMPUTE, COMM, WAIT, IDLE, *PHASE_COLOURS.values()):
-        want = [round(255 * x) for x in to_rgb(name)]
-        # every legend colour is still there, within a few units of 255 per channel
-        assert min(sum(abs(a - b) for a, b in zip(want, c)) for c in colours) <= 8, name

@@ -13,8 +13,15 @@ The kernel names widget models with random uuid4s; `stable_widget_ids` renames t
 outputs and in the state alike, after the notebook and the order the models were created in, so
 regenerating an unchanged notebook leaves `git diff` quiet (so does joining the stream outputs a
 kernel happened to flush in pieces; nbval joins them too before it compares).
+
+Pictures are stored as palette PNGs (`compact_images`): matplotlib writes 32-bit RGBA, and a chart
+of flat colours uses a few hundred of them, so a 256-colour palette looks the same at about a third
+of the bytes. Learners' cells stay `plt.show()`; only the stored copy is compacted (nbval never
+compares images). `python tools/regen.py --compact-only NB...` compacts without re-executing.
 """
+import base64
 import hashlib
+import io
 import os
 import subprocess
 import sys
@@ -80,20 +87,69 @@ def join_streams(nb):
             cell.outputs = joined
 
 
+def compact_png(data, colours=256):
+    """PNG bytes `data` with a palette of at most `colours` colours, or `data` itself if that is
+    not smaller. Fast octree quantization, no dithering: a colour only a few pixels use (a legend
+    patch) keeps its own entry, and flat areas stay flat (dithering would speckle them)."""
+    from PIL import Image
+    picture = Image.open(io.BytesIO(data))
+    if picture.mode == "P":
+        return data
+    if "A" in picture.getbands() and picture.getchannel("A").getextrema()[0] < 255:
+        return data                          # see-through pixels: a palette would lose them
+    quantized = picture.convert("RGB").quantize(colours, method=Image.Quantize.FASTOCTREE,
+                                                dither=Image.Dither.NONE)
+    out = io.BytesIO()
+    quantized.save(out, format="png", optimize=True)
+    return out.getvalue() if out.tell() < len(data) else data
+
+
+def compact_images(nb):
+    """Every stored image/png output of `nb` as a palette PNG (in place); returns bytes saved."""
+    saved = 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if "image/png" in data:
+                raw = base64.b64decode(data["image/png"])
+                small = compact_png(raw)
+                saved += len(raw) - len(small)
+                data["image/png"] = base64.b64encode(small).decode("ascii")
+    return saved
+
+
+def strip(path):
+    """Metadata out, outputs, counts and the widget state kept."""
+    subprocess.run([sys.executable, "-m", "nbstripout", "--keep-output", "--keep-count",
+                    "--keep-metadata-keys", "metadata.widgets", str(path)], check=True)
+
+
 def execute(path):
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
     client.execute()  # store_widget_state (default): metadata.widgets holds every model
     join_streams(nb)
+    compact_images(nb)
     stable_widget_ids(nb, path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT)
                       else path.name)
     nbformat.write(nb, path)
-    subprocess.run([sys.executable, "-m", "nbstripout", "--keep-output", "--keep-count",
-                    "--keep-metadata-keys", "metadata.widgets", str(path)], check=True)
+    strip(path)
+
+
+def compact_only(paths):
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        saved = compact_images(nb)
+        if saved:
+            nbformat.write(nb, path)
+            strip(path)
+        print(f"{path.relative_to(ROOT)}: {saved / 1e3:.0f} kB of pictures saved", flush=True)
 
 
 def main(paths):
+    if paths[:1] == ["--compact-only"]:
+        return compact_only([Path(p).resolve() for p in paths[1:]])
     os.environ["DISTLAB_NO_PROGRESS"] = "1"  # the kernels inherit it: no live widgets stored
     paths = [Path(p).resolve() for p in paths] or sorted(
         list((ROOT / "notebooks").glob("*.ipynb")) + list((ROOT / "solutions").glob("*.ipynb")))

@@ -1,26 +1,6 @@
 """Pictures for chapter 11: where each rank's step time goes when one rank is slow; what a
 training step holds in memory, and what the caching allocator reserves for it."""
-import io
-
 import matplotlib.pyplot as plt
-
-
-def compact_png(fig, dpi=100, colours=256):
-    """`fig` as a PNG with a palette of at most `colours` colours, for display (an IPython Image);
-    the figure is closed. Matplotlib writes 32-bit RGBA, and a plot of flat colours uses a few
-    hundred of them (the antialiased edges of text and lines): with a palette the stored PNG is
-    about a third of the bytes and looks the same. Fast octree quantization, no dithering, so a
-    colour that only a few pixels use (a legend patch) keeps its own entry."""
-    from IPython.display import Image
-    from PIL import Image as PILImage
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
-    picture = PILImage.open(buffer).convert("RGB").quantize(
-        colours, method=PILImage.Quantize.FASTOCTREE, dither=PILImage.Dither.NONE)
-    out = io.BytesIO()
-    picture.save(out, format="png", optimize=True)
-    return Image(out.getvalue(), format="png")
 
 
 def straggler_bars(runs, ax=None, unit="ms"):
