@@ -240,12 +240,8 @@ def test_multi_head_attention_is_unchanged():
     assert distlab.run(_mha_unchanged_case, 2, timeout=TIMEOUT) == [True, True]
 
 
-def _gqa_error_case(rank, ws):
-    attempts = {"heads": lambda: tpm.ParallelAttention(24, 6, n_kv_heads=3),
-                "groups": lambda: tpm.ParallelAttention(16, 8, n_kv_heads=3),
-                "kv split": lambda: tpm.ParallelAttention(24, 12, n_kv_heads=6),
-                "kv multiple": lambda: tpm.ParallelAttention(24, 12, n_kv_heads=3),
-                "d_head": lambda: tpm.ParallelAttention(4, 4, n_kv_heads=2)}
+def _messages_of(attempts):
+    """{what: the ValueError's sentence} for each attempt that raises one."""
     messages = {}
     for what, attempt in attempts.items():
         try:
@@ -253,6 +249,15 @@ def _gqa_error_case(rank, ws):
         except ValueError as e:
             messages[what] = str(e)
     return messages
+
+
+def _gqa_error_case(rank, ws):
+    attempts = {"heads": lambda: tpm.ParallelAttention(24, 6, n_kv_heads=3),
+                "groups": lambda: tpm.ParallelAttention(16, 8, n_kv_heads=3),
+                "kv split": lambda: tpm.ParallelAttention(24, 12, n_kv_heads=6),
+                "kv multiple": lambda: tpm.ParallelAttention(24, 12, n_kv_heads=3),
+                "d_head": lambda: tpm.ParallelAttention(4, 4, n_kv_heads=2)}
+    return _messages_of(attempts)
 
 
 def test_grouped_query_attention_configuration_errors_are_clear_sentences():
@@ -279,12 +284,7 @@ def _error_case(rank, ws, uncaught=False):
                 "row": lambda: tpm.RowParallelLinear(7, 4),
                 "heads": lambda: tpm.ParallelAttention(16, 4),
                 "seq": lambda: tpm.sequence_slice(torch.zeros(1, 5, 4), None)}
-    messages = {}
-    for what, attempt in attempts.items():
-        try:
-            attempt()
-        except ValueError as e:
-            messages[what] = str(e)
+    messages = _messages_of(attempts)
     if uncaught and rank == 1:
         tpm.ColumnParallelLinear(4, 10)  # as a learner meets it
     return messages

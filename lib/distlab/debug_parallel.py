@@ -122,20 +122,24 @@ def _sp_dense():
     return Block(SP_DIMS["d_model"], SP_DIMS["n_heads"], SP_DIMS["hidden"]).double()
 
 
+def _sgd(model, batches, lr):
+    """One process: plain SGD on the mean-squared error, one step per (x, y); the losses."""
+    losses = []
+    for x, y in batches:
+        model.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-lr)
+        losses.append(loss.item())
+    return losses
+
+
 def sequence_parallel_reference(steps=3, lr=0.5):
     """One process: the dense block trained with SGD on the batches of `_sp_data(step)`."""
     dense = _sp_dense()
-    losses = []
-    for step in range(steps):
-        x, y = _sp_data(step)
-        dense.zero_grad()
-        loss = F.mse_loss(dense(x), y)
-        loss.backward()
-        with torch.no_grad():
-            for p in dense.parameters():
-                p.add_(p.grad, alpha=-lr)
-        losses.append(loss.item())
-    return dense, losses
+    return dense, _sgd(dense, [_sp_data(step) for step in range(steps)], lr)
 
 
 def train_sequence_parallel(rank, world_size, block_class=ParallelBlock, steps=3, lr=0.5):
@@ -203,16 +207,9 @@ def pipeline_batch(step, replica):
 def pipeline_reference(dp, pp, steps=3, lr=0.2):
     """One process: the pp stages in a row, trained on every replica's rows of each step."""
     model = torch.nn.Sequential(*[_pipe_stage(s) for s in range(pp)])
-    losses = []
-    for step in range(steps):
-        x, y = (torch.cat(t) for t in zip(*[pipeline_batch(step, d) for d in range(dp)]))
-        model.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(p.grad, alpha=-lr)
-        losses.append(loss.item())
+    batches = [[torch.cat(t) for t in zip(*[pipeline_batch(step, d) for d in range(dp)])]
+               for step in range(steps)]
+    losses = _sgd(model, batches, lr)
     return [[p.detach().clone() for p in stage.parameters()] for stage in model], losses
 
 
