@@ -28,7 +28,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import expert_parallel as ep_lib
-from .checks.ch11 import SP_DIMS, _pipe_stage, _sp_block_without_ln_sync, _sp_data
 from .debug import tensor_checksums
 from .models import Block, regression_data
 from .moe import make_moe_model, shard_loss, train_moe_reference
@@ -99,9 +98,24 @@ def p2p_count(trace):
 
 # ---- tensor parallelism: sequence parallel's LayerNorm gradients --------------------------------
 
-# The bug, as the workbook's exercise 6 states it: LayerNorm on this rank's slice of the sequence,
-# its gradient left as it is (distlab.checks.ch11 builds the same broken block for its checker).
-sp_block_without_ln_sum = _sp_block_without_ln_sync
+SP_DIMS = dict(d_model=24, n_heads=6, hidden=96, seq=12, batch=2)   # also workbook 11's checker's
+
+
+def sp_block_without_ln_sum():
+    """ParallelBlock with the bug workbook 11's exercise 6 states (its checker builds it here)."""
+    class SPBlockMissingLNSync(ParallelBlock):
+        # The bug: LayerNorm applied to this rank's slice of the sequence, its gradient left as is.
+        def _norm(self, ln, x):
+            return ln(x)
+    return SPBlockMissingLNSync
+
+
+def sp_data(seed):
+    """(x, y): a batch of SP_DIMS' shape and random targets, float64, from generator 5 + seed."""
+    g = torch.Generator().manual_seed(5 + seed)
+    x = torch.randn(SP_DIMS["batch"], SP_DIMS["seq"], SP_DIMS["d_model"], generator=g,
+                    dtype=torch.float64)
+    return x, torch.randn(x.shape, generator=g, dtype=torch.float64)
 
 
 def replicated_over_tp(block):
@@ -137,9 +151,9 @@ def _sgd(model, batches, lr):
 
 
 def sequence_parallel_reference(steps=3, lr=0.5):
-    """One process: the dense block trained with SGD on the batches of `_sp_data(step)`."""
+    """One process: the dense block trained with SGD on the batches of `sp_data(step)`."""
     dense = _sp_dense()
-    return dense, _sgd(dense, [_sp_data(step) for step in range(steps)], lr)
+    return dense, _sgd(dense, [sp_data(step) for step in range(steps)], lr)
 
 
 def train_sequence_parallel(rank, world_size, block_class=ParallelBlock, steps=3, lr=0.5):
@@ -154,7 +168,7 @@ def train_sequence_parallel(rank, world_size, block_class=ParallelBlock, steps=3
     block = block_class.from_dense(_sp_dense(), group, sequence_parallel=True)
     losses, out_of_sync = [], []
     for step in range(steps):
-        x, y = (sequence_slice(t, group) for t in _sp_data(step))
+        x, y = (sequence_slice(t, group) for t in sp_data(step))
         out_of_sync.append(len(disagree(replicated_over_tp(block), group)))
         block.zero_grad()
         loss = F.mse_loss(block(x), y) / world_size
@@ -174,6 +188,15 @@ def train_sequence_parallel(rank, world_size, block_class=ParallelBlock, steps=3
 # ---- pipeline parallelism: neighbours from the wrong mesh order ---------------------------------
 
 PIPE_ROWS, PIPE_WIDTH, PIPE_MICRO = 4, 4, 2     # rows per replica and step; 2 micro-batches
+
+
+def pipe_stage(stage):
+    """Stage `stage`: the same Linear(4, 4) and tanh on every replica (seeded by the stage),
+    float64; also workbook 11's pipeline exercise's."""
+    with torch.random.fork_rng():               # the caller's random stream stays its own
+        torch.manual_seed(10 + stage)
+        return torch.nn.Sequential(torch.nn.Linear(PIPE_WIDTH, PIPE_WIDTH),
+                                   torch.nn.Tanh()).double()
 
 
 def mesh_groups(dp, pp, order="dp, pp"):
@@ -206,7 +229,7 @@ def pipeline_batch(step, replica):
 
 def pipeline_reference(dp, pp, steps=3, lr=0.2):
     """One process: the pp stages in a row, trained on every replica's rows of each step."""
-    model = torch.nn.Sequential(*[_pipe_stage(s) for s in range(pp)])
+    model = torch.nn.Sequential(*[pipe_stage(s) for s in range(pp)])
     batches = [[torch.cat(t) for t in zip(*[pipeline_batch(step, d) for d in range(dp)])]
                for step in range(steps)]
     losses = _sgd(model, batches, lr)
@@ -221,7 +244,7 @@ def train_pipeline_dp(rank, world_size, dp, pp, order="dp, pp", steps=3, lr=0.2)
     (the largest difference of this stage's parameters from one process's)}."""
     pipe, pipe_ranks, data, data_ranks = mesh_groups(dp, pp, order)
     stage = pipe_ranks.index(rank)
-    module = PipelineStage([_pipe_stage(s) for s in range(pp)], stage, pp, (PIPE_WIDTH,),
+    module = PipelineStage([pipe_stage(s) for s in range(pp)], stage, pp, (PIPE_WIDTH,),
                            torch.float64, group=pipe)
     actions = gpipe(pp, PIPE_MICRO)[stage]
     losses = []

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from .. import debug, models
 from .. import trace as _trace
+from ..debug_parallel import PIPE_WIDTH, SP_DIMS, pipe_stage as _pipe_stage, sp_data as _sp_data
+from ..debug_parallel import sp_block_without_ln_sum as _sp_block_without_ln_sync
 from ..launch import RankFailed, RunTimeout
 from . import CheckFailed, compare, forbid, passed, run_learner, sizes_phrase
 from .ch01 import learner_run
@@ -369,15 +371,7 @@ def check_first_divergence(fn):
 # right on one shape only (rank ± dp, rank ± 2) fails on the other.
 
 PIPE_SHAPES = ((2, 2), (1, 3))
-PIPE_ROWS, PIPE_WIDTH = 2, 4
-
-
-def _pipe_stage(stage):
-    """Stage `stage`: the same Linear on every replica (seeded by the stage), float64."""
-    with torch.random.fork_rng():               # the caller's random stream stays its own
-        torch.manual_seed(10 + stage)
-        return torch.nn.Sequential(torch.nn.Linear(PIPE_WIDTH, PIPE_WIDTH),
-                                   torch.nn.Tanh()).double()
+PIPE_ROWS = 2                                 # PIPE_WIDTH: debug_parallel's stages'
 
 
 def _pipe_input(replica):
@@ -462,31 +456,11 @@ def check_pipeline_step(fn):
 # ---- exercise 6: sequence parallel's LayerNorm gradients, on a dp x tp mesh ---------------------
 
 SP_CASES = ((2, 2), (3, 1))                 # (tp, dp): replicas of a tp group; an odd tp
-SP_DIMS = dict(d_model=24, n_heads=6, hidden=96, seq=12, batch=2)
-
-
-def _sp_block_without_ln_sync():
-    from ..tensor_parallel import ParallelBlock
-
-    class SPBlockMissingLNSync(ParallelBlock):
-        # The bug: LayerNorm applied to this rank's slice of the sequence, its gradient left as is.
-        def _norm(self, ln, x):
-            return ln(x)
-    return SPBlockMissingLNSync
-
-
 def _sp_groups(rank, tp, dp):
     """Ranks on a (dp, tp) mesh, tp fastest: rank = replica * tp + t."""
     tps = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
     dps = [dist.new_group(list(range(t, tp * dp, tp))) for t in range(tp)]
     return tps[rank // tp], dps[rank % tp]
-
-
-def _sp_data(replica):
-    g = torch.Generator().manual_seed(5 + replica)
-    dims = SP_DIMS
-    x = torch.randn(dims["batch"], dims["seq"], dims["d_model"], generator=g, dtype=torch.float64)
-    return x, torch.randn(x.shape, generator=g, dtype=torch.float64)
 
 
 def _sp_on_ranks(rank, world_size, tp, dp, fn):
