@@ -1,5 +1,6 @@
 """Pipeline bubble at real size under emulation against theory: GPipe, 1F1B, interleaved 1F1B, ZB-H1,
-ZB-V and DualPipeV (its F-B pairs run one after the other: no overlap is modeled).
+ZB-V, DualPipeV and the bidirectional DualPipe (their F-B pairs run one after the other: no overlap
+is modeled; DualPipe holds every stage's blocks twice, so it has no closed form here: "—").
 
     .venv/bin/python bench/pipeline.py            # emulated (deterministic), ~1 minute on 2 cores
     .venv/bin/python bench/pipeline.py --laptop   # also the real run on this machine's cores
@@ -30,7 +31,7 @@ from distlab.models import make_mlp
 P, M, V, TOKENS, BLOCKS = 4, 8, 2, 4096, 2
 PRESETS = ("h100-node", "h100-ib")
 SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("interleaved 1F1B", V), ("ZB-H1", 1), ("ZB-V", 2),
-             ("DualPipeV", 2)]
+             ("DualPipeV", 2), ("DualPipe", 1)]
 
 
 def mean_time(timeline, kind):
@@ -52,22 +53,24 @@ def emulated():
                                timeout=600)
             timeline = [e for rank in runs for e in rank]
             t_f, t_b, t_i, t_w = (v * mean_time(timeline, k) for k in "FBIW")   # per stage
-            schedule = ps.V_SCHEDULES[name](P, M) if name in ps.V_SCHEDULES else \
+            schedule = ps.dualpipe(P, M) if name == "DualPipe" else \
+                ps.V_SCHEDULES[name](P, M) if name in ps.V_SCHEDULES else \
                 ps.interleaved_1f1b(P, M, v) if v > 1 else ps.make_schedule(name, P, M)
-            closed = ps.theory(name, P, M, v)
-            closed = ps.zb_v_bubble(P, M) if name == "DualPipeV" else closed   # pairs not overlapped
+            closed = None if name == "DualPipe" else \
+                ps.zb_v_bubble(P, M) if name == "DualPipeV" else ps.theory(name, P, M, v)
             if name == "ZB-H1":
                 t_b = t_i + t_w
                 measured_form = ps.zb_h1_bubble(P, M, t_f, t_i, t_w)
-            elif name in ps.V_SCHEDULES:      # no closed form at unequal F, I, W: the F = I = W one
+            elif name in ps.V_SCHEDULES or name == "DualPipe":   # no closed form at unequal F, I, W
                 t_b = t_i + t_w
                 measured_form = closed
             else:
                 measured_form = closed
             model = ps.bubble_fraction(ps.simulate(schedule, M, t_f, t_b, t_w or None,
                                                    comm=message))
-            print(f"{preset:>10} {name:>17} {t_f * 1e3:>6.2f} {t_b * 1e3:>6.2f} {closed:>7.3f} "
-                  f"{measured_form:>14.3f} {model:>10.3f} {ps.bubble_fraction(timeline):>9.3f}",
+            shown = [("—" if c is None else f"{c:.3f}") for c in (closed, measured_form)]
+            print(f"{preset:>10} {name:>17} {t_f * 1e3:>6.2f} {t_b * 1e3:>6.2f} {shown[0]:>7} "
+                  f"{shown[1]:>14} {model:>10.3f} {ps.bubble_fraction(timeline):>9.3f}",
                   flush=True)
         print(f"{'':>10} one message between stages: {message * 1e6:.0f} µs\n")
 

@@ -651,3 +651,29 @@ def test_split_backward_per_layer_equals_the_full_backward():
     _weight_gradients(part, s)
     split = [q.grad for q in part.parameters()] + [got[0]]
     assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(full, split))
+
+
+def _dual_real_size(rank, world_size, m):
+    return pp.real_size_step(rank, world_size, "DualPipe", m, blocks_per_stage=1, tokens=1024)
+
+
+def test_dualpipe_at_real_size_is_the_simulators_schedule():
+    """DualPipe of Llama-2 7B blocks on meta tensors under emulation: every rank holds pieces r
+    and p - 1 - r and runs the schedule's order; the emulated bubble is the simulator's with the
+    emulated action times and one message per hop (bench/pipeline.py prints both at full size)."""
+    p, m, preset = 4, 8, "h100-node"
+    runs = distlab.run(_dual_real_size, p, m, emulate=preset, timeout=180)
+    schedule = ps.dualpipe(p, m)
+    for rank, timeline in enumerate(runs):
+        assert [(e["kind"], e["mb"], e["chunk"]) for e in timeline] == \
+            [tuple(a) for a in schedule[rank]]
+    events = [e for timeline in runs for e in timeline]
+    mean = {k: sum(e["end"] - e["start"] for e in events if e["kind"] == k) /
+            sum(e["kind"] == k for e in events) for k in "FIW"}
+    message = pp.message_seconds(preset, 1024 * pp.LLAMA2_7B["hidden"] * 2)
+    simulated = ps.simulate(schedule, m, mean["F"], mean["I"] + mean["W"], mean["W"],
+                            comm=message)
+    assert ps.bubble_fraction(events) == pytest.approx(ps.bubble_fraction(simulated), abs=0.01)
+    assert 0 < ps.bubble_fraction(events) < ps.bubble_fraction(
+        ps.simulate(ps.dualpipe_v(p, m), m, mean["F"] / 2, (mean["I"] + mean["W"]) / 2,
+                    mean["W"] / 2, comm=message))

@@ -462,17 +462,22 @@ def real_size_step(rank, world_size, schedule, m, blocks_per_stage=2, tokens=409
     returns this stage's timeline (virtual clock). `schedule`: a name of SCHEDULES, or the
     per-stage lists. Stage 0's input requires grad, so every stage does the same work (the
     bubble formulas assume equal stages); the loss is the output's mean square. A V schedule
-    ("ZB-V", "DualPipeV", or a ps.Schedule with placement "v") gets v = 2 chunks in a V."""
-    from .pipeline_schedules import V_SCHEDULES, interleaved_1f1b, make_schedule
+    ("ZB-V", "DualPipeV", or a ps.Schedule with placement "v") gets v = 2 chunks in a V;
+    "DualPipe" (placement "dual") two whole stages' pieces per rank, r and world_size - 1 - r."""
+    from .pipeline_schedules import V_SCHEDULES, dualpipe, interleaved_1f1b, make_schedule
     if isinstance(schedule, str):
-        schedule = V_SCHEDULES[schedule](world_size, m) if schedule in V_SCHEDULES else \
+        schedule = dualpipe(world_size, m) if schedule == "DualPipe" else \
+            V_SCHEDULES[schedule](world_size, m) if schedule in V_SCHEDULES else \
             interleaved_1f1b(world_size, m, v) if v > 1 else \
             make_schedule(schedule, world_size, m)
     placement = placement_of(schedule)
-    v = 2 if placement == "v" else v
-    n = world_size * v
-    parts = llama_parts(n, blocks_per_stage // v,
-                        {virtual_stage(rank, c, world_size, placement) for c in range(v)}, config)
+    if placement == "dual":
+        parts = llama_parts(world_size, blocks_per_stage, {rank, world_size - 1 - rank}, config)
+    else:
+        v = 2 if placement == "v" else v
+        parts = llama_parts(world_size * v, blocks_per_stage // v,
+                            {virtual_stage(rank, c, world_size, placement) for c in range(v)},
+                            config)
     stage = PipelineStage(parts, rank, world_size, (tokens, config["hidden"]),
                           dtype=config["dtype"], placement=placement)
     with torch.device("meta"):
