@@ -8,7 +8,7 @@ import torch.distributed as dist
 import distlab
 from distlab.expert_parallel import (ExpertParallelMoE, all_to_all, check_ep_size, combine,
                                      dispatch_plan, ep_dp_mesh, expert_parallel_model,
-                                     reduce_gradients)
+                                     global_name, reduce_gradients)
 from distlab.models import regression_data
 from distlab.moe import (Routing, capacity_keep, domain_steps, load_balancing_loss, make_moe,
                          make_moe_model, route, shard_loss, train_balancing, train_moe_reference)
@@ -358,13 +358,8 @@ def _shards(world_size):
 
 def _global_params(model):
     """{name: tensor} with local expert i renamed to its global index, for comparison."""
-    out = {}
-    for name, p in model.named_parameters():
-        if name.startswith("moe.experts."):
-            i, rest = name[len("moe.experts."):].split(".", 1)
-            name = f"moe.experts.{model.moe.first + int(i)}.{rest}"
-        out[name] = p.detach().clone()
-    return out
+    return {global_name(name, model.moe.first): p.detach().clone()
+            for name, p in model.named_parameters()}
 
 
 def _train_ep_dp(rank, world_size, dp, ep, config, aux_coef, lr):

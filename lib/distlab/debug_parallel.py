@@ -298,17 +298,6 @@ def expert_reference(world_size, steps=4, n_experts=4):
     return model, [loss for loss, _ in history]
 
 
-def _global_names(model):
-    """[(name, parameter)] with local expert i named by its global index."""
-    out = []
-    for name, p in model.named_parameters():
-        if name.startswith("moe.experts."):
-            i, rest = name[len("moe.experts."):].split(".", 1)
-            name = f"moe.experts.{model.moe.first + int(i)}.{rest}"
-        out.append((name, p))
-    return out
-
-
 def train_expert_dp(rank, world_size, dp, ep, reduce=ep_lib.reduce_gradients, steps=4,
                     n_experts=4):
     """Chapter 09's MoE model on a (dp, ep) mesh, `reduce(model, dp_group)` after backward, SGD.
@@ -343,5 +332,7 @@ def train_expert_dp(rank, world_size, dp, ep, reduce=ep_lib.reduce_gradients, st
         dist.all_reduce(total)
         losses.append(total.item() / world_size)
     want = dict(expert_reference(world_size, steps, n_experts)[0].named_parameters())
-    diff = max((p.detach() - want[n].detach()).abs().max().item() for n, p in _global_names(model))
+    first = model.moe.first
+    diff = max((p.detach() - want[ep_lib.global_name(n, first)].detach()).abs().max().item()
+               for n, p in model.named_parameters())
     return {"losses": losses, **seen, "diff": diff}

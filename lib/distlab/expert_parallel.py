@@ -254,6 +254,16 @@ def expert_parallel_model(model, mesh):
     return model
 
 
+def global_name(name, first):
+    """A parameter's name with local expert i renamed to global expert first + i (this rank's
+    experts are first, first + 1, ...), to compare an EP rank's parameters with the dense model's;
+    other names as they are."""
+    if name.startswith("moe.experts."):
+        i, rest = name[len("moe.experts."):].split(".", 1)
+        return f"moe.experts.{first + int(i)}.{rest}"
+    return name
+
+
 def reduce_gradients(model, dp_group, world_group=None):
     """Average the gradients of an EP × DP model so that every rank holds the global gradient.
 

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from .devices import device
 from . import trace
-from .pipeline_schedules import normalize, placement_of, stage_of, virtual_stage
+from .pipeline_schedules import n_pieces, normalize, placement_of, stage_of, virtual_stage
 
 # send/recv pair messages by (peer, tag) in order. Activations and gradients can travel the
 # same way between two stages (the V placement: stage r sends chunk 0's activations and chunk
@@ -356,7 +356,7 @@ def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, 
     schedule = schedule(world_size, n_microbatches)
     placement = placement_of(schedule)
     dual = placement == "dual"
-    stage = PipelineStage(split_model(model.net, world_size * (1 if dual else v)), rank,
+    stage = PipelineStage(split_model(model.net, n_pieces(world_size, v, placement)), rank,
                           world_size, in_shape, dtype, placement=placement)
     actions = schedule[rank]
     named = [(f"{prefix}{n}", p) for c in sorted(stage.chunks)
@@ -471,13 +471,10 @@ def real_size_step(rank, world_size, schedule, m, blocks_per_stage=2, tokens=409
             interleaved_1f1b(world_size, m, v) if v > 1 else \
             make_schedule(schedule, world_size, m)
     placement = placement_of(schedule)
-    if placement == "dual":
-        parts = llama_parts(world_size, blocks_per_stage, {rank, world_size - 1 - rank}, config)
-    else:
-        v = 2 if placement == "v" else v
-        parts = llama_parts(world_size * v, blocks_per_stage // v,
-                            {virtual_stage(rank, c, world_size, placement) for c in range(v)},
-                            config)
+    v = 2 if placement in ("v", "dual") else v
+    n = n_pieces(world_size, v, placement)
+    parts = llama_parts(n, blocks_per_stage * world_size // n,
+                        {virtual_stage(rank, c, world_size, placement) for c in range(v)}, config)
     stage = PipelineStage(parts, rank, world_size, (tokens, config["hidden"]),
                           dtype=config["dtype"], placement=placement)
     with torch.device("meta"):

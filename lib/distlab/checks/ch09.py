@@ -480,10 +480,10 @@ def _reduce_on_ranks(rank, world_size, fn, ep):
 
 
 def _global_name(name, first):
-    if name.startswith("moe.experts."):
-        i, rest = name[len("moe.experts."):].split(".", 1)
-        return f"moe.experts.{first + int(i)}.{rest}", first + int(i)
-    return name, None
+    """(its global name, its global expert index or None)."""
+    global_name = ep_lib.global_name(name, first)
+    expert = name.startswith("moe.experts.")
+    return global_name, (int(global_name.split(".")[2]) if expert else None)
 
 
 def _reference_grads(world_size, ep):
