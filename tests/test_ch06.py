@@ -1,5 +1,7 @@
 """Workbook 06's checkers pass right answers however they are written, and refuse wrong results,
 wrong communication (read from the trace) and the course's own code, saying which."""
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -281,10 +283,27 @@ class Unpadded(ZeRO3Linear):
         return x @ torch.cat(parts)[:shape[0] * shape[1]].view(shape).t()
 
 
+class LetGoLate(ZeRO3Linear):
+    """Right, but another thread holds the gathered weight for 0.1 s after forward returns, as
+    gloo's worker thread holds a finished all-gather's tensors a moment after wait() returns
+    (the check once read 768 B of them on a loaded 2-core machine and called it kept)."""
+
+    @staticmethod
+    def forward(ctx, x, weight_shard, bias_shard, shape):
+        world = dist.get_world_size()
+        w = _pad_gather(weight_shard, shape[0] * shape[1], world).view(shape)
+        held = [w]
+        threading.Timer(0.1, held.clear).start()
+        ctx.save_for_backward(x, weight_shard)
+        ctx.shape, ctx.bias_numel = shape, bias_shard.numel()
+        return x @ w.t() + _pad_gather(bias_shard, shape[0], world)
+
+
 def test_zero3_layer_accepts_right_answers_however_written(capsys):
     ch06.check_zero3_layer(ZeRO3Linear, world_sizes=(3,))  # all sizes: nbval of the workbook
     ch06.check_zero3_layer(ZeRO3LinearSingle, world_sizes=(2,))
-    assert capsys.readouterr().out.count("✅") == 2
+    ch06.check_zero3_layer(LetGoLate, world_sizes=(2,))
+    assert capsys.readouterr().out.count("✅") == 3
 
 
 def test_zero3_layer_refuses_wrong_structure_decoys_and_the_course():

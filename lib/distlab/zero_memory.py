@@ -206,10 +206,11 @@ class PeakTracker:
         def live():
             total = 0
             for key, ref in list(refs.items()):
-                if ref.expired():
+                st = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+                if st is None:           # freed (perhaps by gloo's worker thread, just now)
                     del refs[key]
                 else:
-                    total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                    total += st.nbytes()
             return total
 
         class Mode(TorchDispatchMode):

@@ -10,6 +10,7 @@ course's memory model term by term, then with the course's own ZeRO measured on 
 """
 import math
 import re
+import time
 
 import torch
 import torch.nn.functional as F
@@ -233,13 +234,20 @@ class _Kept:
     def __exit__(self, *exc):
         return self._mode.__exit__(*exc)
 
-    def bytes_besides(self, out):
+    def bytes_besides(self, out, below=None, wait=0.5):
+        """`below`: while the count is not below it, read again for up to `wait` seconds.
+        gloo's worker thread lets go of a finished collective's tensors (the padded slice it
+        sent, the parts it filled) a moment after wait() returns, so a first reading taken
+        straight after the call can count them; what the learner's code keeps never goes."""
         mine = out.untyped_storage()._cdata if isinstance(out, torch.Tensor) else None
-        total = 0
-        for key, ref in self._refs.items():
-            if key != mine and not ref.expired():
-                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-        return total
+        deadline = time.monotonic() + wait
+        while True:
+            alive = (torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+                     for key, ref in list(self._refs.items()) if key != mine)
+            total = sum(st.nbytes() for st in alive if st is not None)   # None: just freed
+            if below is None or total < below or time.monotonic() >= deadline:
+                return total
+            time.sleep(0.01)
 
 
 def _layer_data(rank):
@@ -280,7 +288,7 @@ def _zero3_layer_rank(rank, world_size, Fn):
             if not isinstance(out, torch.Tensor):
                 raise CheckFailed(f"ZeRO3Linear.apply returned {type(out).__name__}; forward "
                                   f"returns the layer's output, a tensor.")
-            kept.append(track.bytes_besides(out))
+            kept.append(track.bytes_besides(out, below=layer.weight.numel() * 8))
             outs.append(out.detach().clone())
             h = torch.tanh(out)
         rec.phase = ("backward",)
