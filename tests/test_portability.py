@@ -132,3 +132,24 @@ def test_the_perturbed_environment_changes_the_last_bits():
     # the same values to well within round-off: only the last bits moved
     for p, q in zip(plain, perturbed):
         assert abs(float(p) - float(q)) <= 1e-4 * max(1.0, abs(float(p)))
+
+
+# What the chapters run in bf16 (chapter 06's Llama block: grouped-query flash attention, with
+# its backward) must also run under the perturbed environment, or test-portable fails on the
+# environment rather than on an output: on an AMX/AVX-512 CPU, capping ATen alone makes torch's
+# bf16 flash attention refuse to pack ("pack_vnni2 is only supported when avx512 is supported").
+_BF16_ATTENTION = """
+import torch, torch.nn.functional as F
+q = torch.randn(1, 4, 128, 16, dtype=torch.bfloat16, requires_grad=True)
+k, v = (torch.randn(1, 2, 128, 16, dtype=torch.bfloat16) for _ in range(2))
+F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+print("ok")
+"""
+
+
+def test_the_perturbed_environment_runs_bf16_attention():
+    env = {**os.environ, **perturbed_env()}
+    out = subprocess.run([sys.executable, "-c", _BF16_ATTENTION], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], (
+        f"bf16 flash attention fails under {PERTURBED.name}: {out.stderr[-600:]}")
