@@ -1,4 +1,5 @@
 import os
+import signal
 import time
 
 import pytest
@@ -23,6 +24,12 @@ def retry_kernel_start(start):
 
 
 def pytest_configure(config):
+    # Tests stop ranks and scripts with SIGINT, as Ctrl-C does. A harness that starts the suite
+    # in the background without job control (`nohup make test &`) hands it SIGINT ignored, which
+    # every child keeps across exec, so Python never turns it into KeyboardInterrupt: give the
+    # suite, and through it every child, what a terminal gives.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     import jupyter_client.manager
     jupyter_client.manager.start_new_kernel = retry_kernel_start(
         jupyter_client.manager.start_new_kernel)

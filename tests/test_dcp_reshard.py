@@ -2,7 +2,8 @@
 tp=2, loaded under three other layouts, every rank's shards of the model and of Adam's moments
 equal bit for bit what the dense format gives; each rank reads only the chunks it needs; a
 background save (dcp.async_save) writes the state as it was when save returned; the files
-consolidate into one torch.save file the dense model loads. ONE launch of 4 ranks does it all."""
+consolidate into one torch.save file the dense model loads; grouped-query attention's unequal q, k, v
+pieces reshard too. ONE launch of 4 ranks does it all."""
 import os
 
 import pytest
@@ -18,16 +19,16 @@ SAVED = (1, 2, 2)
 LOADS = [(2, 1, 2), (4, 1, 1), (1, 1, 4)]     # pp 2 -> 1 with dp 1 -> 2; tp 2 -> 1; tp 2 -> 4
 
 
-def dense_state():
+def dense_state(cfg=CFG):
     """The dense model, and Adam moments of its shape that no layout could produce by chance."""
-    model = make_gpt(seed=0, **CFG).double()
+    model = make_gpt(seed=0, **cfg).double()
     moments = {n: (p.detach() * 3 + 1, p.detach() ** 2 + 0.5) for n, p in model.named_parameters()}
     return model, moments
 
 
-def build(dp, pp, tp):
+def build(dp, pp, tp, cfg=CFG):
     from distlab.train import Adam
-    model, moments = dense_state()
+    model, moments = dense_state(cfg)
     mesh = p3.Mesh3D(dp, pp, tp)
     stage = p3.Stage3D.from_dense(model, mesh, torch.device("cpu"))
     adam = Adam(stage, lr=0.01)
@@ -80,18 +81,18 @@ def reshard(rank, world_size, folder):
             got = checkpoint.load(checkpoint.latest(folder_), stage, mesh, adam)
             row[name] = (exact(stage, adam, model, moments), got["read_bytes"])
         out[shape] = row
-    return out
+    return out, gqa_reshard(os.path.join(folder, "gqa"))
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("reshard"))
     results = distlab.run(reshard, 4, folder, timeout=240)
-    return folder, results
+    return folder, [r[0] for r in results], [r[1] for r in results]
 
 
 def test_every_layout_loads_the_sharded_save_bit_for_bit_as_the_dense_one(run):
-    _, results = run
+    _, results, _ = run
     for rank, rows in enumerate(results):
         for shape, row in rows.items():
             for name, (verdict, _) in row.items():
@@ -99,7 +100,7 @@ def test_every_layout_loads_the_sharded_save_bit_for_bit_as_the_dense_one(run):
 
 
 def test_each_rank_reads_only_the_chunks_its_new_shard_overlaps(run):
-    _, results = run
+    _, results, _ = run
     for rows in results:
         for (dp, pp, tp), row in rows.items():
             sharded, dense = row["sharded"][1], row["dense"][1]
@@ -113,7 +114,7 @@ def test_each_rank_reads_only_the_chunks_its_new_shard_overlaps(run):
 
 
 def test_both_formats_hold_the_same_dense_tensors_and_consolidate_for_inference(run, tmp_path):
-    folder, _ = run
+    folder, _, _ = run
     sharded, dense = (checkpoint.read(os.path.join(folder, f)) for f in ("sharded", "dense"))
     assert sharded["layout"] == SAVED and dense["layout"] is None
     for part in ("model", "optim"):
@@ -130,7 +131,7 @@ def test_both_formats_hold_the_same_dense_tensors_and_consolidate_for_inference(
 
 
 def test_a_tp_the_heads_cannot_take_is_refused_in_one_sentence(run):
-    folder, _ = run
+    folder, _, _ = run
     path = checkpoint.latest(os.path.join(folder, "sharded"))
     assert checkpoint.reshard_problem(path, 2, 4) is None
     assert checkpoint.reshard_problem(path, 4, 4) is None
@@ -154,3 +155,44 @@ def test_the_dense_formats_cost_at_70b_and_the_young_daly_interval():
     assert tau == pytest.approx((2 * 60 * m) ** 0.5)
     for other in (tau / 2, tau * 2):                        # it is the minimum
         assert checkpoint.lost_fraction(other, 60, m) > checkpoint.lost_fraction(tau, 60, m)
+
+
+# Grouped-query attention stacks q, k, v of unequal sizes (16, 8, 8 rows here); at tp=4 the two
+# K/V heads are each split across 2 ranks. Saved at tp=2, loaded at tp=4 and tp=1, in the same
+# launch as the rest (reshard calls it).
+GQA = dict(CFG, n_kv_heads=2)
+
+
+def gqa_reshard(folder):
+    model, moments, mesh, stage, adam = build(1, 2, 2, GQA)
+    checkpoint.save(folder, 1, stage, mesh, adam, dict(config=GQA))
+    out = {}
+    for shape in ((1, 1, 4), (4, 1, 1)):
+        model, moments, mesh, stage, adam = build(*shape, GQA)
+        zero(stage, adam)
+        checkpoint.load(checkpoint.latest(folder), stage, mesh, adam)
+        out[shape] = exact(stage, adam, model, moments)
+        dense = p3.dense_state_dict(stage, mesh)
+        if dense is not None:
+            out[shape, "gathered"] = all(torch.equal(dense[k], v)
+                                         for k, v in model.state_dict().items())
+    return out
+
+
+def test_grouped_query_attention_checkpoints_reshard_with_its_unequal_pieces(run):
+    folder, _, results = run
+    for rank, rows in enumerate(results):
+        for key, verdict in rows.items():
+            assert verdict in ("exact", True), (rank, key, verdict)
+    assert results[0][(1, 1, 4), "gathered"] and results[0][(4, 1, 1), "gathered"]
+    # In the files q, k and v are pieces of their own sizes; read() stacks them back.
+    path = checkpoint.latest(os.path.join(folder, "gqa"))
+    pieces = {k: tuple(md.size) for k, md in
+              checkpoint._reader(path).read_metadata().state_dict_metadata.items()
+              if k.startswith("model.blocks.0.attn.qkv.weight")}
+    assert pieces == {f"model.blocks.0.attn.qkv.weight.{p}": (n, 16)
+                      for p, n in (("q", 16), ("k", 8), ("v", 8))}
+    merged = checkpoint.read(path)["model"]
+    model, _ = dense_state(GQA)
+    for k, v in model.state_dict().items():
+        assert torch.equal(merged[k], v), k

@@ -10,16 +10,16 @@ CFG = dict(vocab=32, d_model=16, n_heads=2, n_layers=4, seq_len=8)
 LR = 0.1
 
 
-def _train_and_compare(rank, world_size, dp, pp, tp, steps, batch, n_micro):
+def _train_and_compare(rank, world_size, dp, pp, tp, steps, batch, n_micro, cfg=CFG):
     """Train on the mesh and, in the same rank, the dense float64 model on the same batches.
 
     Returns per step (3D loss, reference loss) and the largest difference seen between any of
     this rank's gradients or updated parameters and its shard of the reference's.
     """
     mesh = p3.Mesh3D(dp, pp, tp)
-    ref = make_gpt(seed=0, **CFG).double()
-    stage = p3.Stage3D.from_dense(make_gpt(seed=0, **CFG).double(), mesh)
-    x, y = token_data(n=4 * batch, seq_len=CFG["seq_len"], vocab=CFG["vocab"], seed=1)
+    ref = make_gpt(seed=0, **cfg).double()
+    stage = p3.Stage3D.from_dense(make_gpt(seed=0, **cfg).double(), mesh)
+    x, y = token_data(n=4 * batch, seq_len=cfg["seq_len"], vocab=cfg["vocab"], seed=1)
     worst = {"grad": 0.0, "param": 0.0}
     losses = []
     for xb, yb in batches_of(x, y, batch, steps):
@@ -45,6 +45,19 @@ def _train_and_compare(rank, world_size, dp, pp, tp, steps, batch, n_micro):
     return losses, worst
 
 
+# Grouped-query attention: 4 query heads share 2 K/V heads; at tp=4 each K/V head is split across
+# the 2 ranks that share it (tensor_parallel.kv_head_split), at tp=2 each rank holds one whole.
+GQA = dict(CFG, n_heads=4, n_kv_heads=2)
+
+
+@pytest.mark.parametrize("dp, pp, tp, batch, n_micro, cfg", [
+    (1, 2, 4, 4, 2, GQA),
+    (3, 1, 2, 6, 1, GQA),
+])
+def test_3d_with_grouped_query_attention_equals_single_process(dp, pp, tp, batch, n_micro, cfg):
+    test_3d_equals_single_process(dp, pp, tp, batch, n_micro, cfg)
+
+
 @pytest.mark.parametrize("dp, pp, tp, batch, n_micro", [
     (2, 2, 2, 8, 2),     # the full 2x2x2 mesh: 8 ranks
     (1, 3, 1, 6, 3),     # three pipeline stages (odd), micro-batches of 2
@@ -54,8 +67,8 @@ def _train_and_compare(rank, world_size, dp, pp, tp, steps, batch, n_micro):
     (5, 1, 1, 15, 1),    # five replicas
     (1, 3, 2, 6, 3),     # six ranks: 4 blocks over 3 stages (1, 2, 1)
 ])
-def test_3d_equals_single_process(dp, pp, tp, batch, n_micro):
-    results = distlab.run(_train_and_compare, dp * pp * tp, dp, pp, tp, 3, batch, n_micro,
+def test_3d_equals_single_process(dp, pp, tp, batch, n_micro, cfg=CFG):
+    results = distlab.run(_train_and_compare, dp * pp * tp, dp, pp, tp, 3, batch, n_micro, cfg,
                           timeout=120)
     for rank, (losses, worst) in enumerate(results):
         for step, (got, expected) in enumerate(losses):

@@ -150,8 +150,8 @@ def _pieces(stage, name, local):
     full = stage.dense_name(name)
     if isinstance(owner, ColumnParallelLinear):
         if owner.chunks > 1:
-            return [(f"{full}.{piece}", part, 0)
-                    for piece, part in zip(_PIECES[owner.chunks], local.chunk(owner.chunks, 0))]
+            parts = local.split(owner.local_sizes, 0)    # unequal under grouped-query attention
+            return [(f"{full}.{piece}", part, 0) for piece, part in zip(_PIECES[owner.chunks], parts)]
         return [(full, local, 0)]
     if isinstance(owner, RowParallelLinear) and attr == "weight":
         return [(full, local, 1)]

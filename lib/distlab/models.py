@@ -109,10 +109,13 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model, n_heads, hidden):
+    """Pre-LayerNorm transformer block; n_kv_heads: grouped-query attention (None: multi-head)."""
+
+    def __init__(self, d_model, n_heads, hidden, n_kv_heads=None):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = Attention(d_model, n_heads)
+        self.attn = (Attention(d_model, n_heads) if n_kv_heads is None
+                     else GroupedQueryAttention(d_model, n_heads, n_kv_heads))
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = FeedForward(d_model, hidden)
 
@@ -122,12 +125,13 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16, hidden=None):
+    def __init__(self, vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16, hidden=None,
+                 n_kv_heads=None):
         super().__init__()
         self.seq_len = seq_len
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, hidden or 4 * d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, hidden or 4 * d_model, n_kv_heads)
                                     for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)

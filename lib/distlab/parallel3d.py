@@ -192,8 +192,9 @@ def _unshard(module, attr, local, group):
     dist.all_gather(shards, local.contiguous(), group=group)
     if isinstance(module, RowParallelLinear):
         return torch.cat(shards, dim=1)
-    # Stacked q, k, v: each rank holds its slice of each; put every matrix back together.
-    parts = [s.chunk(module.chunks, dim=0) for s in shards]
+    # Stacked q, k, v: each rank holds its slice of each (of unequal sizes under grouped-query
+    # attention); put every matrix back together.
+    parts = [s.split(module.local_sizes, dim=0) for s in shards]
     return torch.cat([torch.cat([p[j] for p in parts], dim=0) for j in range(module.chunks)])
 
 

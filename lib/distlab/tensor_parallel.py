@@ -263,11 +263,13 @@ class ParallelBlock(nn.Module):
     output; LayerNorms and residual adds work on the slice.
     """
 
-    def __init__(self, d_model, n_heads, hidden, group=None, sequence_parallel=False, dtype=None):
+    def __init__(self, d_model, n_heads, hidden, group=None, sequence_parallel=False, dtype=None,
+                 n_kv_heads=None):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.ln1 = nn.LayerNorm(d_model, dtype=dtype)
-        self.attn = ParallelAttention(d_model, n_heads, group, sequence_parallel, dtype)
+        self.attn = ParallelAttention(d_model, n_heads, group, sequence_parallel, dtype,
+                                      n_kv_heads=n_kv_heads)
         self.ln2 = nn.LayerNorm(d_model, dtype=dtype)
         self.mlp = ParallelMLP(d_model, hidden, group, sequence_parallel, dtype)
 
@@ -275,7 +277,7 @@ class ParallelBlock(nn.Module):
     def from_dense(cls, block, group=None, sequence_parallel=False):
         d, hidden = block.ln1.normalized_shape[0], block.mlp.fc1.out_features
         tp = cls(d, block.attn.n_heads, hidden, group, sequence_parallel,
-                 dtype=block.ln1.weight.dtype)
+                 dtype=block.ln1.weight.dtype, n_kv_heads=getattr(block.attn, "n_kv_heads", None))
         tp.ln1.load_state_dict(block.ln1.state_dict())
         tp.ln2.load_state_dict(block.ln2.state_dict())
         tp.attn = ParallelAttention.from_dense(block.attn, group, sequence_parallel)
