@@ -138,6 +138,15 @@ def test_a_tp_the_heads_cannot_take_is_refused_in_one_sentence(run):
     assert checkpoint.reshard_problem(path, 3, 4) == (
         f"{path} holds a model with 4 attention heads, which 3 tensor-parallel ranks cannot "
         f"share (each computes whole heads); load it with tp in [1, 2, 4].")
+    # grouped-query attention: 4 query heads, 2 K/V heads (each shared by 2 ranks at tp=4)
+    gqa = checkpoint.latest(os.path.join(folder, "gqa"))
+    for tp in (1, 2, 4):
+        assert checkpoint.reshard_problem(gqa, tp, 4, n_kv_heads=2) is None, tp
+    for tp in (3, 8):
+        why = checkpoint.reshard_problem(gqa, tp, 4, n_kv_heads=2)
+        assert why.startswith(f"{gqa} holds a model with grouped-query attention: n_heads=4 does "
+                              f"not split evenly across {tp} tensor-parallel ranks"), why
+        assert why.endswith("one of [1, 2, 4]."), why
 
 
 def test_the_dense_formats_cost_at_70b_and_the_young_daly_interval():
@@ -196,3 +205,25 @@ def test_grouped_query_attention_checkpoints_reshard_with_its_unequal_pieces(run
     model, _ = dense_state(GQA)
     for k, v in model.state_dict().items():
         assert torch.equal(merged[k], v), k
+
+
+def test_a_gqa_head_too_narrow_to_split_or_a_piece_tp_cannot_divide_is_refused(tmp_path):
+    """reshard_problem reads the metadata only: a one-process DCP save of the shapes is enough.
+    4 query heads of width 2 over 1 K/V head: at tp=4 each K/V head would be split 4 ways."""
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    shapes = {"model.blocks.0.attn.proj.weight": (8, 8), "model.blocks.0.attn.qkv.weight.q": (8, 8),
+              "model.blocks.0.attn.qkv.weight.k": (2, 8), "model.blocks.0.attn.qkv.weight.v": (2, 8)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # "assuming ... a single process": yes
+        dcp.save({k: torch.zeros(s) for k, s in shapes.items()}, checkpoint_id=str(tmp_path))
+    path = str(tmp_path)
+    assert checkpoint.reshard_problem(path, 1, 4, n_kv_heads=1) is None
+    assert checkpoint.reshard_problem(path, 2, 4, n_kv_heads=1) is None
+    assert checkpoint.reshard_problem(path, 4, 4, n_kv_heads=1) == (
+        f"{path}: a head is 2 wide, which the 4 ranks that share each K/V head at tp=4 cannot "
+        f"split evenly; load it with a tp of at most n_kv_heads = 1.")
+    # the same shapes read as multi-head attention: the 2-row k piece cannot take tp=4
+    assert checkpoint.reshard_problem(path, 4, 4) == (
+        f"{path}: blocks.0.attn.qkv.weight.k has 2 rows, which 4 tensor-parallel ranks cannot "
+        f"share evenly; choose a tp that divides 2.")
