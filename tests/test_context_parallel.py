@@ -341,3 +341,45 @@ def test_ulysses_equals_dense_attention_and_sends_its_closed_form(world_size, he
         assert len(a2a) == 8
         assert sum(a2a) * (world_size - 1) / world_size == forward + backward
         assert sorted(set(run.trace.ops(rank))) == ["all_gather", "all_to_all"]   # no ring
+
+
+# ---- ring attention under grouped-query attention: the ring carries the small K/V ---------------
+
+def _ring_gqa(rank, world_size, seq_len, heads, kv_heads, layout):
+    positions = (cp.zigzag_positions(seq_len, rank, world_size) if layout == "zigzag"
+                 else torch.arange(seq_len).tensor_split(world_size)[rank])   # 7 on 3: 3, 2, 2
+    q, k, v = [t[:, :, positions].clone().requires_grad_()
+               for t in _gqa_inputs(seq_len, heads, kv_heads)]
+    out = cp.ring_attention(q, k, v, positions, causal=True)
+    weights = torch.linspace(-1, 1, B * heads * seq_len * D, dtype=torch.float64)
+    (out * weights.view(B, heads, seq_len, D)[:, :, positions]).sum().backward()
+    return positions, out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("world_size,seq_len,heads,kv_heads,layout", [
+    (2, 8, 6, 2, "zigzag"), (3, 7, 6, 3, "uneven")])
+def test_ring_attention_with_grouped_query_heads_equals_dense_and_rotates_only_kv(
+        world_size, seq_len, heads, kv_heads, layout):
+    expected = _gqa_dense(seq_len, heads, kv_heads)
+    run = distlab.run(_ring_gqa, world_size, seq_len, heads, kv_heads, layout, trace=True,
+                      timeout=120)
+    for positions, *got in run:
+        for name, g, e in zip(("output", "dq", "dk", "dv"), got, expected):
+            torch.testing.assert_close(g, e[:, :, positions], rtol=1e-12, atol=1e-12,
+                                       msg=lambda m: f"{name}: {m}")
+    lengths = [len(p) for p, *_ in run]
+    for rank in range(world_size):
+        # every message is a K/V block (or its gradient) of kv_heads heads: forward N-1 hops of
+        # K and V, backward N-1 of K and V and N of their gradients, each the size of the block
+        # its owner holds
+        kv_block = {n * B * kv_heads * D * 8 for n in lengths}
+        assert {b for _, b in run.trace.sends(rank)} <= kv_block
+        assert len(run.trace.sends(rank)) == 2 * (world_size - 1) * 2 + 2 * world_size
+
+
+def test_kv_heads_that_do_not_divide_the_query_heads_are_refused():
+    with pytest.raises(ValueError, match=r"fewer heads that divide q's \(grouped-query"):
+        cp._check_block(torch.zeros(B, 6, 4, D), *[torch.zeros(B, 4, 4, D)] * 2, torch.arange(4))
+    with pytest.raises(ValueError, match="blocks of one shape"):
+        cp._check_block(torch.zeros(B, 6, 4, D), torch.zeros(B, 3, 4, D), torch.zeros(B, 2, 4, D),
+                        torch.arange(4))

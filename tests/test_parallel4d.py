@@ -1,6 +1,9 @@
 """dp × pp × cp × tp on one mesh equals one process: losses and every parameter shard after SGD
 steps. One launch per layout: 2×2×2×1 and 1×2×2×2 are the two 8-rank meshes with every kind of
-group (each leaves one dimension at 1; 2×2×2×2 would take 16 ranks), 1×1×3×1 an odd ring."""
+group (each leaves one dimension at 1; 2×2×2×2 would take 16 ranks), 1×1×3×1 an odd ring, and
+1×1×2×4 with grouped-query attention (8 query heads, 2 K/V heads: each K/V head split across
+the 2 tp ranks that share it and gathered, then widened to the rank's 2 query heads only inside
+the ring's kernels; the ring carries the small K/V)."""
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from distlab import models
 from distlab.parallel4d import Mesh4D, Stage4D, train_step
 
 CONFIG = dict(vocab=32, d_model=16, n_heads=4, n_layers=2, seq_len=12)
+GQA = dict(CONFIG, n_heads=8, n_kv_heads=2)
 STEPS, LR = 2, 0.1
 
 
@@ -16,8 +20,8 @@ def _data():
     return models.token_data(n=4, seq_len=12, vocab=32, seed=1)
 
 
-def _dense():
-    gpt = models.make_gpt(seed=0, **CONFIG).double()
+def _dense(config=CONFIG):
+    gpt = models.make_gpt(seed=0, **config).double()
     x, y = _data()
     losses = []
     for _ in range(STEPS):
@@ -31,19 +35,21 @@ def _dense():
     return gpt, losses
 
 
-def _run_4d(rank, world_size, dp, pp, cp, tp, n_micro):
+def _run_4d(rank, world_size, dp, pp, cp, tp, n_micro, config=CONFIG):
     mesh = Mesh4D(dp, pp, cp, tp)
-    stage = Stage4D.from_dense(models.make_gpt(seed=0, **CONFIG).double(), mesh)
+    stage = Stage4D.from_dense(models.make_gpt(seed=0, **config).double(), mesh)
     x, y = _data()
     losses = [train_step(stage, mesh, x, y, LR, n_micro) for _ in range(STEPS)]
     return losses, {stage.dense_name(n): p.detach() for n, p in stage.named_parameters()}
 
 
-@pytest.mark.parametrize("dp,pp,cp,tp,n_micro", [(2, 2, 2, 1, 2), (1, 2, 2, 2, 2),
-                                                 (1, 1, 3, 1, 1)])
-def test_dp_pp_cp_tp_equals_one_process(dp, pp, cp, tp, n_micro):
-    dense, dense_losses = _dense()
-    results = distlab.run(_run_4d, dp * pp * cp * tp, dp, pp, cp, tp, n_micro, timeout=120)
+@pytest.mark.parametrize("dp,pp,cp,tp,n_micro,config", [
+    (2, 2, 2, 1, 2, CONFIG), (1, 2, 2, 2, 2, CONFIG), (1, 1, 3, 1, 1, CONFIG),
+    (1, 1, 2, 4, 1, GQA)])
+def test_dp_pp_cp_tp_equals_one_process(dp, pp, cp, tp, n_micro, config):
+    dense, dense_losses = _dense(config)
+    results = distlab.run(_run_4d, dp * pp * cp * tp, dp, pp, cp, tp, n_micro, config,
+                          timeout=120)
     held = set()
     for rank, (losses, params) in enumerate(results):
         assert losses == pytest.approx(dense_losses, rel=1e-12)
@@ -51,20 +57,22 @@ def test_dp_pp_cp_tp_equals_one_process(dp, pp, cp, tp, n_micro):
         for name, value in params.items():
             full = dense.get_parameter(name).detach()
             # the tp shard of the dense parameter that this rank holds
-            expected = _shard(full, name, tp, rank % tp)
+            expected = _shard(full, name, tp, rank % tp, config)
             torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
     assert held == {n for n, _ in dense.named_parameters()}     # the stages hold every layer
     assert dense_losses[0] != pytest.approx(dense_losses[-1], abs=1e-3)   # training moved
 
 
-def _shard(full, name, tp, t):
-    """Chapter 07's layout: qkv and fc1 split by output rows (qkv per q/k/v), proj and fc2 by
-    input columns (their bias whole)."""
+def _shard(full, name, tp, t, config):
+    """Chapter 07's layout: qkv and fc1 split by output rows (qkv per q/k/v: under grouped-query
+    attention k and v are n_kv_heads heads wide), proj and fc2 by input columns (bias whole)."""
     if tp == 1:
         return full
     if ".qkv." in name:
-        return torch.cat([part.chunk(tp, dim=0)[t] for part in full.chunk(3, dim=0)])
+        d, kv = config["d_model"], config.get("n_kv_heads") or config["n_heads"]
+        kv_rows = kv * d // config["n_heads"]
+        return torch.cat([part.chunk(tp, dim=0)[t] for part in full.split((d, kv_rows, kv_rows))])
     if ".fc1." in name:
         return full.chunk(tp, dim=0)[t]
     if (".proj." in name or ".fc2." in name) and name.endswith("weight"):

@@ -352,7 +352,9 @@ class RingAttention(torch.autograd.Function):
     At step s rank r holds the block of rank r−s (mod N), and receives that of rank r−s−1.
     `positions` (every rank's, gathered once) say which pieces of each block a causal mask
     lets through (`block_plan`): fully masked pieces are skipped, diagonal ones cost half, so
-    the work of a step is what the layout gives it — with zig-zag, the same on every rank."""
+    the work of a step is what the layout gives it — with zig-zag, the same on every rank.
+    Under grouped-query attention K and V have fewer heads than Q: the ring carries them (and
+    their gradients) that small, and each rank widens the block in hand for its kernels."""
 
     @staticmethod
     def forward(ctx, q, k, v, positions, causal, group):
@@ -366,8 +368,8 @@ class RingAttention(torch.autograd.Function):
             pending = (_shift(blocks, group, lengths[(owner - 1) % n]) if step < n - 1
                        else None)                                   # the next block travels
             plan = block_plan(positions[r], positions[owner], causal)
-            for rows, o, l in _attend_plan(q, *blocks, positions[r], positions[owner], plan,
-                                           scale):
+            for rows, o, l in _attend_plan(q, *_as_q_heads(q, blocks), positions[r],
+                                           positions[owner], plan, scale):
                 if rows == (0, q.shape[-2]):
                     out, lse = (o, l) if out is None else merge(out, lse, o, l)
                 else:
@@ -406,14 +408,16 @@ class RingAttention(torch.autograd.Function):
             # K and V do not change: they leave for the next rank right away and travel while
             # this rank computes.
             ahead = _shift(blocks, group, arriving) if step < n - 1 else None
-            dk, dv = torch.zeros_like(blocks[0]), torch.zeros_like(blocks[1])
+            wide = _as_q_heads(q, blocks)
+            dk, dv = torch.zeros_like(wide[0]), torch.zeros_like(wide[1])
             plan = block_plan(positions[r], positions[owner], causal)
             for rows, pieces in plan:
                 for cols, kind in pieces:
-                    gq, gk, gv = _grads(q, *blocks, positions[r], positions[owner], out, lse,
+                    gq, gk, gv = _grads(q, *wide, positions[r], positions[owner], out, lse,
                                         grad_out, rows, cols, kind, scale)
                     dq = _add_rows(dq, rows, gq)
                     dk, dv = _add_rows(dk, cols, gk), _add_rows(dv, cols, gv)
+            dk, dv = _sum_heads(dk, k.shape[1]), _sum_heads(dv, k.shape[1])
             # The block's gradient so far comes from the left neighbour, sent at its previous
             # step while this step's kernels ran; add this rank's share and pass it on, to be
             # waited for one step later (after N hops it is back with its owner).
@@ -428,6 +432,19 @@ class RingAttention(torch.autograd.Function):
         (dk, dv), handles = arriving_grads
         _wait(handles)
         return dq, dk, dv, None, None, None
+
+
+def _as_q_heads(q, blocks):
+    """K/V blocks with q's heads: query head h reads K/V head h // (q heads / K/V heads)."""
+    groups = q.shape[1] // blocks[0].shape[1]
+    return blocks if groups == 1 else tuple(t.repeat_interleave(groups, dim=1) for t in blocks)
+
+
+def _sum_heads(grad, kv_heads):
+    """A widened K/V block's gradient brought back to its kv_heads: each K/V head's gradient
+    is the sum over the query heads it served (repeat_interleave's backward)."""
+    b, heads, t, d = grad.shape
+    return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, t, d).sum(2)
 
 
 def _lse_dtype(q):
@@ -567,9 +584,13 @@ def dense_attention(q, k, v, causal=False):
 
 
 def _check_block(q, k, v, positions):
-    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+    if (q.dim() != 4 or k.shape != v.shape or k.dim() != 4
+            or (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3])
+            or k.shape[1] == 0 or q.shape[1] % k.shape[1]):
         raise ValueError(f"q, k and v must be (batch, heads, tokens, head_dim) blocks of one "
-                         f"shape; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
+                         f"shape, except that k and v may have fewer heads that divide q's "
+                         f"(grouped-query attention); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}.")
     if positions.shape != (q.shape[-2],):
         raise ValueError(f"positions must give one global index per token of the block "
                          f"({q.shape[-2]}); got shape {tuple(positions.shape)}.")
