@@ -342,7 +342,18 @@ def _dtensor_case(rank, ws):
     from distlab import tp_dtensor
     mesh = init_device_mesh("cpu", (ws,))
     torch.manual_seed(0)
-    dense = Block(8, 2, 16).to(F64)
+    for dense in (Block(8, 2, 16).to(F64), Block(8, 4, 16, n_kv_heads=2).to(F64)):
+        _dtensor_matches(dense, mesh, ws)
+    try:                          # 1 K/V head cannot be cut into ws contiguous blocks of rows
+        tp_dtensor.parallelize_block(Block(8, 4, 16, n_kv_heads=1).to(F64), mesh)
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    return refusal
+
+
+def _dtensor_matches(dense, mesh, ws):
+    from distlab import tp_dtensor
     x = torch.randn(2, 2 * ws, 8, dtype=F64)
     for sp in (False, True):
         cut = (lambda z: tpm.sequence_slice(z, None)) if sp else (lambda z: z)
@@ -363,11 +374,12 @@ def _dtensor_case(rank, ws):
         assert set(mine) == set(dtensors), set(mine) ^ set(dtensors)
         for name in mine:
             close(f"{label} grad of {name}", dtensors[name], mine[name])
-    return True
 
 
-def test_dtensor_parallelize_module_matches_ours():
-    assert distlab.run(_dtensor_case, 2, timeout=TIMEOUT) == [True] * 2
+def test_dtensor_parallelize_module_matches_ours_also_with_grouped_query_heads():
+    for refusal in distlab.run(_dtensor_case, 2, timeout=TIMEOUT):
+        assert refusal.startswith("ColwiseParallel cuts k and v into 2 contiguous blocks of rows, "
+                                  "which would split the block's 1 K/V heads;"), refusal
 
 
 def _llama_block_case(rank, ws):

@@ -19,16 +19,19 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 
 class SeparateQKVAttention(nn.Module):
-    """distlab.models.Attention with q, k, v as three Linears (same weights, same results)."""
+    """distlab.models.Attention (or GroupedQueryAttention) with q, k, v as three Linears (same
+    weights, same results)."""
 
     def __init__(self, attn):
         super().__init__()
         d = attn.proj.in_features
         self.head_dim = d // attn.n_heads
-        self.q, self.k, self.v = (nn.Linear(d, d, dtype=attn.proj.weight.dtype) for _ in range(3))
+        kv = (getattr(attn, "n_kv_heads", None) or attn.n_heads) * self.head_dim
+        dtype = attn.proj.weight.dtype
+        self.q, self.k, self.v = (nn.Linear(d, width, dtype=dtype) for width in (d, kv, kv))
         with torch.no_grad():
-            for lin, w, b in zip((self.q, self.k, self.v), attn.qkv.weight.chunk(3),
-                                 attn.qkv.bias.chunk(3)):
+            for lin, w, b in zip((self.q, self.k, self.v), attn.qkv.weight.split((d, kv, kv)),
+                                 attn.qkv.bias.split((d, kv, kv))):
                 lin.weight.copy_(w)
                 lin.bias.copy_(b)
         self.proj = copy.deepcopy(attn.proj)
@@ -37,7 +40,9 @@ class SeparateQKVAttention(nn.Module):
         b, t, _ = x.shape
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2)
                    for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # grouped-query: this rank's query heads read its K/V heads in groups, as in the dense
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=q.shape[1] != k.shape[1])
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -59,6 +64,13 @@ def tp_plan(sequence_parallel=False):
 
 def parallelize_block(block, mesh, sequence_parallel=False):
     """A tensor-parallel copy of distlab.models.Block `block`, made by torch's DTensor API."""
+    kv_heads, tp = getattr(block.attn, "n_kv_heads", None), mesh.size()
+    if kv_heads is not None and kv_heads % tp:
+        raise ValueError(
+            f"ColwiseParallel cuts k and v into {tp} contiguous blocks of rows, which would split "
+            f"the block's {kv_heads} K/V heads; torch's plan needs a tp that divides "
+            f"n_kv_heads. Past n_kv_heads, chapter 07's ParallelAttention splits each K/V head "
+            f"and all-gathers it, as Megatron-LM does.")
     twin = copy.deepcopy(block)
     twin.attn = SeparateQKVAttention(block.attn)
     return parallelize_module(twin, mesh, tp_plan(sequence_parallel))
