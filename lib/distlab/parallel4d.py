@@ -37,7 +37,6 @@ from .mesh import HandMesh, rank_at
 from .models import lm_loss
 from .parallel3d import Stage3D
 from .tensor_parallel import ParallelAttention
-from .tp_comm import all_gather_fwd_reduce_scatter_bwd
 
 NAMES = ("dp", "pp", "cp", "tp")
 
@@ -70,17 +69,11 @@ class Mesh4D(HandMesh):
 
 
 class ContextParallelAttention(ParallelAttention):
-    """Chapter 07's tensor-parallel attention, attending over the whole sequence by ring."""
+    """Chapter 07's tensor-parallel attention, attending over the whole sequence by ring: the
+    same projections (grouped-query K/V included), only the attention itself differs."""
 
-    def forward(self, x):
-        q, k, v = self.qkv(x).split(self.qkv.local_sizes, dim=-1)  # our tokens, our heads
-        if self.kv_copies > 1:   # grouped-query, tp past n_kv_heads: as ParallelAttention does
-            kv = all_gather_fwd_reduce_scatter_bwd(torch.stack((k, v)), self.group, dim=-1)
-            k, v = kv.narrow(-1, self.kv_heads.start * self.head_dim, self.head_dim).unbind(0)
-        b, t, _ = q.shape
-        q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = ring_attention(q, k, v, self.positions, causal=True, group=self.cp_group)
-        return self.proj(y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim))
+    def attend(self, q, k, v):
+        return ring_attention(q, k, v, self.positions, causal=True, group=self.cp_group)
 
 
 class Stage4D(Stage3D):

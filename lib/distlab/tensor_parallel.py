@@ -250,9 +250,14 @@ class ParallelAttention(nn.Module):
             k, v = kv.narrow(-1, self.kv_heads.start * self.head_dim, self.head_dim).unbind(0)
         b, t, _ = q.shape
         q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=self.local_kv_heads != self.local_heads)
+        y = self.attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim))
+
+    def attend(self, q, k, v):
+        """Causal attention of our query heads over the sequence in hand; under grouped-query
+        attention k and v hold only the K/V heads those query heads read."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=self.local_kv_heads != self.local_heads)
 
 
 class ParallelBlock(nn.Module):
