@@ -1,0 +1,40 @@
+"""What each checkpoint format costs, and how often to save."""
+
+
+def save_costs(shape, dp, pp, tp, bytes_per_value=4, copies=3):
+    """Per rank, for the biggest pipeline stage of `shape` (a hardware.Transformer) under
+    (dp, pp, tp): the bytes each format holds at a save and reads at a load, and what the whole
+    job writes. `copies`: the tensors saved per parameter (3: fp32 weights and Adam's two
+    moments). Embeddings and head count as replicated across tp, as in Stage3D."""
+    per_layer = (shape.params() - 2 * shape.vocab * shape.hidden) / shape.layers
+    layers = -(-shape.layers // pp)                               # the longest stage
+    ends = shape.vocab * shape.hidden * (2 if pp == 1 else 1)     # embedding or head
+    stage = (layers * per_layer + ends) * bytes_per_value * copies
+    sharded = (layers * per_layer / tp + ends) * bytes_per_value * copies
+    return {"dense_held": stage, "dense_read": stage, "sharded_held": sharded,
+            "sharded_read": sharded,
+            "written": shape.params() * bytes_per_value * copies}  # the same in both: dedup
+
+
+# Llama 3's 54-day pre-training snapshot on 16,384 H100s: 419 unexpected interruptions, 78 % of
+# them hardware (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4, Table 5).
+LLAMA3_INTERRUPTIONS, LLAMA3_DAYS, LLAMA3_GPUS = 419, 54, 16384
+
+
+def mtbf_seconds(gpus, interruptions=LLAMA3_INTERRUPTIONS, days=LLAMA3_DAYS,
+                 observed_gpus=LLAMA3_GPUS):
+    """Mean time between interruptions of a job on `gpus` GPUs, if failures strike each GPU
+    independently at the rate observed (Llama 3's by default): it shrinks as 1/gpus."""
+    return days * 86400 / interruptions * observed_gpus / gpus
+
+
+def young_daly(save_s, mtbf_s):
+    """The checkpoint interval that loses the least time (Young 1974, Daly 2006, first order):
+    sqrt(2 · C · MTBF), C the time a save stops training."""
+    return (2 * save_s * mtbf_s) ** 0.5
+
+
+def lost_fraction(interval_s, save_s, mtbf_s):
+    """The fraction of time lost at interval τ, to first order: C/τ spent saving, plus on
+    average τ/2 of work redone after each failure (one per MTBF)."""
+    return save_s / interval_s + interval_s / (2 * mtbf_s)
