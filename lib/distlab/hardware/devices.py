@@ -1,0 +1,182 @@
+"""Devices and their kernels: what one GPU achieves for an op, beside its datasheet.
+
+Device — one op costs
+
+    max(launch floor, FLOPs / (peak · gemm_efficiency(m, n, k)), bytes / achieved HBM bandwidth)
+
+  The launch floor is what an eager PyTorch op costs however small: the host dispatches ops
+  ahead of the GPU, so a stream of small ops runs at the dispatch rate and a big op at its
+  kernel's rate (`mode="graphs"`: CUDA graphs / torch.compile, a smaller floor).
+  gemm_efficiency(m, n, k) = best · P / (P + P_half) · k / (k + k_half), P = m·n output
+  elements (batch·m·n for a batched matmul): a GEMM runs as tiles of its output, one per SM at a
+  time, so a small output leaves SMs idle (P_half: the output size at which half of them work),
+  and each tile pays a fixed prologue and epilogue beside its k-long loop of multiply-adds
+  (k_half: the depth at which that fixed part is half the tile's time). `best` is the asymptote
+  for a large, deep GEMM. Two shapes with the same FLOPs differ: 1024×1024×2048 reaches
+  350 TFLOP/s on an H100, 2048×1024×2048 (twice the output tiles) 523 (OpenXLA's measured
+  table). The emulator reads m, n, k from a matmul's arguments (`seconds(..., mnk=)`); an op
+  with FLOPs but no matmul shape (attention, convolution) is charged as the square GEMM of the
+  same FLOPs and bytes (d = 3·itemsize·FLOPs / (2·bytes); m = n = k = d).
+"""
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+_F32, _BF16, _F16, _F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+_US, _GB = 1e-6, 1e9
+
+
+def _positive(owner, name, value, allow_zero=False, allow_none=False):
+    """Refuse NaN, infinite, negative (and zero, unless allowed) numbers in one sentence."""
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        need = "a finite number >= 0" if allow_zero else "a finite number > 0"
+        raise ValueError(f"{owner}: {name} must be {need}; got {value!r}.")
+
+
+@dataclass(frozen=True)
+class Device:
+    """An accelerator. `flops`: datasheet dense peak FLOP/s per dtype; `memory_bandwidth`: the
+    HBM bandwidth the model charges (achieved, for calibrated devices); `gemm_best`: the best
+    achieved fraction of peak (the asymptote of large, deep matmuls); `tile_half`: the output
+    size m·n at which a matmul reaches half of that; `k_half`: the inner dimension at which it
+    does; `launch_floor`: seconds an eager op costs
+    however small; `graph_floor`: the same under CUDA graphs / torch.compile; `mode`: "eager"
+    or "graphs"; `datasheet_memory_bandwidth`: the HBM bandwidth on the datasheet."""
+    name: str
+    flops: dict
+    memory_bandwidth: float
+    gemm_best: float = 1.0
+    tile_half: float = 0.0
+    k_half: float = 0.0
+    launch_floor: float = 0.0
+    graph_floor: float = 0.0
+    mode: str = "eager"
+    datasheet_memory_bandwidth: float = None
+    memory_bytes: float = None
+    source: str = ""
+
+    def __post_init__(self):
+        owner = f"Device {self.name!r}"
+        if not isinstance(self.flops, dict) or _F32 not in self.flops:
+            raise ValueError(f"{owner}: flops must be a dict of peak FLOP/s per torch dtype, with "
+                             f"torch.float32 in it; got {self.flops!r}.")
+        for dtype, value in self.flops.items():
+            _positive(owner, f"flops[{dtype}]", value)
+        _positive(owner, "memory_bandwidth", self.memory_bandwidth)
+        _positive(owner, "gemm_best", self.gemm_best)
+        if self.gemm_best > 1:
+            raise ValueError(f"{owner}: gemm_best is a fraction of peak, at most 1; "
+                             f"got {self.gemm_best!r}.")
+        _positive(owner, "tile_half", self.tile_half, allow_zero=True)
+        _positive(owner, "k_half", self.k_half, allow_zero=True)
+        _positive(owner, "launch_floor", self.launch_floor, allow_zero=True)
+        _positive(owner, "graph_floor", self.graph_floor, allow_zero=True)
+        _positive(owner, "datasheet_memory_bandwidth", self.datasheet_memory_bandwidth,
+                  allow_none=True)
+        _positive(owner, "memory_bytes", self.memory_bytes, allow_none=True)
+        if self.mode not in ("eager", "graphs"):
+            raise ValueError(f"{owner}: mode must be 'eager' or 'graphs'; got {self.mode!r}.")
+
+    # what the self-check prints beside its measurements
+    def peak(self, dtype=_F32):
+        """Datasheet dense peak FLOP/s for `dtype` (float32's for a dtype without its own)."""
+        return self.flops.get(dtype, self.flops[_F32])
+
+    @property
+    def floor(self):
+        """Seconds one op costs at least, in the device's mode."""
+        return self.launch_floor if self.mode == "eager" else self.graph_floor
+
+    def gemm_efficiency(self, m, n, k, dtype=_BF16, batch=1):
+        """Achieved fraction of peak of a (batch ×) m×n×k matmul (the curve in the module
+        docstring)."""
+        for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+            _positive("gemm_efficiency", name, v)
+        tiles = batch * m * n
+        fill = tiles / (tiles + self.tile_half) if self.tile_half else 1.0
+        depth = k / (k + self.k_half) if self.k_half else 1.0
+        return self.gemm_best * fill * depth
+
+    def gemm_seconds(self, m, n, k, dtype=_BF16, batch=1):
+        """Modeled seconds of a (batch ×) m×n×k matmul in `dtype`, floor and memory traffic
+        included."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self.seconds(2.0 * batch * m * n * k,
+                            itemsize * batch * (m * k + k * n + m * n), dtype, (m, n, k, batch))
+
+    def seconds(self, flops, nbytes, dtype, mnk=None):
+        """Modeled time of one operation: its kernel (arithmetic or memory traffic, whichever
+        bounds it) or the launch floor, whichever is longer. `mnk`: (m, n, k) or (m, n, k,
+        batch) of a matmul; without it an op with FLOPs is charged as a square GEMM."""
+        compute = 0.0
+        if flops:
+            if mnk is None:
+                itemsize = torch.empty((), dtype=dtype).element_size() if dtype is not None else 4
+                d = 3.0 * itemsize * flops / (2.0 * nbytes) if nbytes else math.inf
+                eff = (self.gemm_best if d == math.inf or d <= 0
+                       else self.gemm_efficiency(d, d, d, dtype))
+            else:
+                eff = self.gemm_efficiency(*mnk[:3], dtype, *mnk[3:])
+            compute = flops / (self.peak(dtype) * eff)
+        return max(self.floor, compute, nbytes / self.memory_bandwidth)
+
+    def ideal(self):
+        """The same device at its datasheet: GEMMs at peak, datasheet HBM, no launch floor."""
+        return replace(self, name=f"{self.name} (datasheet)", gemm_best=1.0, tile_half=0.0,
+                       k_half=0.0,
+                       launch_floor=0.0, graph_floor=0.0,
+                       memory_bandwidth=self.datasheet_memory_bandwidth or self.memory_bandwidth)
+
+    def with_mode(self, mode):
+        """The same device with eager ("eager") or CUDA-graph/compiled ("graphs") launches."""
+        return replace(self, mode=mode)
+
+
+# Datasheets (dense, no sparsity). A100: NVIDIA A100 Tensor Core GPU datasheet
+# (nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-
+# 1758950-r4-web.pdf): FP64 9.7, FP32 19.5, BF16/FP16 tensor 312 TFLOP/s, 80 GB HBM2e at
+# 2,039 GB/s (SXM). H100 / H200: NVIDIA H100 and H200 datasheets (nvidia.com/en-us/data-center/
+# h100, /h200): FP64 34, FP32 67, BF16/FP16 989 TFLOP/s dense (1,979 with sparsity), HBM3 80 GB
+# at 3.35 TB/s (H100 SXM), HBM3e 141 GB at 4.8 TB/s (H200 SXM). Tabulated together in
+# stas00/ml-engineering compute/accelerator/README.md ("TFLOPS comparison table").
+_A100_PEAK = {_F32: 19.5e12, _BF16: 312e12, _F16: 312e12, _F64: 9.7e12}
+_H100_PEAK = {_F32: 67e12, _BF16: 989e12, _F16: 989e12, _F64: 34e12}
+
+# The GEMM curve (best, tile_half, k_half): FITTED to three rows of OpenXLA's measured sm_90
+# (H100 SXM) bf16 matmul table (tensorflow/tensorflow third_party/xla/xla/service/gpu/model/
+# matmul_interpolator_data.h: 2048³ 632 TFLOP/s, 1024×2048×2048 524, 4096×4096×256 392), marked
+# `calibration` in bench/published.csv: best 0.91, tile_half 1.05e6 output elements (≈ 32 output
+# tiles of 128×256 — a quarter of the 132 SMs), k_half 296. The table's other shapes and the
+# "Maximum Achievable Matmul FLOPS" (MAMF, bf16, v2) table in stas00/ml-engineering compute/
+# accelerator/README.md (A100 SXM 271.2 of 312 TFLOP/s, H100 SXM 794.5 of 989, GH200 828.6 of 989)
+# are validation rows. A100: no measured shape table was found; the same asymptote and k_half,
+# tile_half scaled by SM count (108 / 132) — an ESTIMATE, held against A100's MAMF row only.
+# H200: the same GH100 die, SM count and clocks as H100: the same curve (estimate). The same
+# fractions are used for float32 and float64 (an estimate: the tables measure bf16).
+_GEMM_BEST, _TILE_HALF, _K_HALF = 0.91, 1.05e6, 296
+# HBM achieved: A100 80 GB measured 1.80 TB/s = 88 % of 2.04 (NVIDIA developer forum, "Trouble
+# to reach peak bandwidth of A100", citing a GTC 2025 talk where no kernel exceeded ~90 %);
+# H100 and H200 at the same 90 % of their datasheet: an ESTIMATE.
+# Launch floor: an eager PyTorch op spends ~5-25 µs on the host before its kernel runs (Python,
+# autograd, dispatcher, cudaLaunchKernel ~1-3 µs: jiahuanglin.xyz "From PyTorch op to kernel
+# launch"); issue 27 quotes ≈ 10 µs: 10 µs is an ESTIMATE in that range. Under CUDA graphs the
+# host cost goes, a kernel's own fixed cost stays: OpenXLA's smallest sm_90 matmuls take ≈ 6 µs
+# (256×512×256: 11.5 TFLOP/s for 67 MFLOP), which includes a launch; 3 µs is an ESTIMATE.
+_EAGER_FLOOR, _GRAPH_FLOOR = 10 * _US, 3 * _US
+
+A100 = Device("NVIDIA A100 SXM 80GB", _A100_PEAK, 1.80e12, gemm_best=_GEMM_BEST,
+              tile_half=_TILE_HALF * 108 / 132, k_half=_K_HALF, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
+              datasheet_memory_bandwidth=2.039e12, memory_bytes=80e9,
+              source="A100 datasheet; GEMM curve OpenXLA sm_90 (estimate); HBM 1.80 TB/s measured")
+H100 = Device("NVIDIA H100 SXM", _H100_PEAK, 0.90 * 3.35e12, gemm_best=_GEMM_BEST,
+              tile_half=_TILE_HALF, k_half=_K_HALF, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
+              datasheet_memory_bandwidth=3.35e12, memory_bytes=80e9,
+              source="H100 datasheet; GEMM curve fitted to OpenXLA sm_90")
+H200 = Device("NVIDIA H200 SXM", _H100_PEAK, 0.90 * 4.8e12, gemm_best=_GEMM_BEST,
+              tile_half=_TILE_HALF, k_half=_K_HALF, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
+              datasheet_memory_bandwidth=4.8e12, memory_bytes=141e9,
+              source="H200 datasheet; H100's GEMM curve (same die)")

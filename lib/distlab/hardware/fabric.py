@@ -1,0 +1,278 @@
+"""Links and fabrics: what a collective costs on a node's link, across NICs, in a cluster.
+
+Link — a collective of S bytes on N ranks costs
+
+    latency + steps · hop + bus bytes / bus bandwidth
+
+  bus bytes are the ring's 2(N-1)/N·S for all_reduce ((N-1)/N·S for gathers and scatters) —
+  nccl-tests' busbw, so `bandwidth` is directly the busbw nccl-tests prints for large
+  messages; all_reduce inside an H100-class node uses NVLink SHARP (`nvls`). The latency part
+  is NCCL's own model of its low-latency protocol (src/graph/tuning.cc): a base per collective
+  plus a small cost per step; a small collective costs ≈ 10-15 µs inside a node and ≈ 25 µs
+  across nodes, nearly flat in N — not 2(N-1)·α. Across nodes NCCL runs one ring per NIC, so a
+  group with k members on each node reaches min(intra-node rate, k × NIC rate) (`Cluster`).
+  What this misses (listed in bench/fidelity.py): the protocol switch between 64 KiB and
+  64 MiB, where real busbw climbs more slowly than latency + bytes/B.
+
+Cluster — devices, the node's link, the NIC, GPUs per node, NICs per node and (optionally) how
+many nodes exist. `PRESETS` holds calibrated clusters; `DATASHEET` the same hardware at its
+datasheet rates (no launch floor, GEMMs at peak, line-rate links), to show the gap.
+"""
+import math
+from dataclasses import dataclass, replace
+
+from ..cost import TERMS
+from .devices import _GB, _US, Device, _positive
+
+
+# The collectives' step counts and bus bytes come from cost.TERMS: rings, NCCL's broadcast and
+# reduce included (pipelined rings: N-1 steps, S bus bytes, so nccl-tests' busbw = algbw for them;
+# NVIDIA/nccl#358: broadcast is a ring; #317: tuning.cc offers the tree to all_reduce only).
+_TERM = {"all_reduce": "ring_all_reduce", "all_gather": "ring_all_gather",
+         "reduce_scatter": "ring_reduce_scatter", "broadcast": "ring_broadcast",
+         "reduce": "ring_reduce", "all_to_all": "all_to_all", "gather": "ring_all_gather",
+         "scatter": "ring_all_gather", "barrier": "ring_all_reduce", "send": "send"}
+# cost.predict's names map onto the same ops
+_TERM.update({v: v for v in TERMS})
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link. `bandwidth`: bus bandwidth of ring algorithms and of a message (bytes/s, per GPU);
+    `latency`: seconds a collective costs however small (the base of NCCL's model); `hop`:
+    seconds per step of the algorithm on this link; `p2p_latency`: a message's latency (default
+    `latency`); `nvls`: all_reduce bus bandwidth with NVLink SHARP, if the link has it;
+    `datasheet`: line rate per direction (bytes/s), to show the gap."""
+    name: str
+    bandwidth: float
+    latency: float = 0.0
+    hop: float = 0.0
+    p2p_latency: float = None
+    nvls: float = None
+    datasheet: float = None
+    source: str = ""
+
+    def __post_init__(self):
+        owner = f"Link {self.name!r}"
+        _positive(owner, "bandwidth", self.bandwidth)
+        _positive(owner, "latency", self.latency, allow_zero=True)
+        _positive(owner, "hop", self.hop, allow_zero=True)
+        _positive(owner, "p2p_latency", self.p2p_latency, allow_zero=True, allow_none=True)
+        _positive(owner, "nvls", self.nvls, allow_none=True)
+        _positive(owner, "datasheet", self.datasheet, allow_none=True)
+
+    # the α-β view (chapter 03): α = the cost of one message, B = its bandwidth
+    @property
+    def alpha(self):
+        return self.p2p_latency if self.p2p_latency is not None else self.latency + self.hop
+
+    @property
+    def beta(self):
+        return 1.0 / self.bandwidth
+
+    def busbw(self, op="all_reduce"):
+        """Achieved bus bandwidth of `op` for large messages on this link. An all_reduce (also
+        cost's "ring_all_reduce": NCCL's all_reduce, whatever algorithm it picks) uses NVLink
+        SHARP where the link has it."""
+        return self.nvls if (op in ("all_reduce", "ring_all_reduce") and self.nvls) \
+            else self.bandwidth
+
+    def seconds(self, op, nbytes, world_size):
+        """Modeled seconds of `op` (a collective, "send", or a cost.TERMS name) moving `nbytes`
+        (the full tensor for gathers and scatters) among `world_size` ranks on this link."""
+        if op not in _TERM:
+            raise ValueError(f"unknown collective {op!r}; the model knows {sorted(_TERM)}.")
+        if op == "send":
+            return self.alpha + nbytes / self.bandwidth
+        if world_size <= 1:
+            return 0.0
+        steps, volume = TERMS[_TERM[op]](nbytes, world_size)
+        return self.latency + steps * self.hop + volume / self.busbw(op)
+
+    def alpha_beta(self):
+        """The link as chapter 03's α-β model sees a ring built from messages: α = a message's
+        latency, B = its bandwidth (a distlab.cost.Link)."""
+        from ..cost import Link as AlphaBeta
+        return AlphaBeta(self.alpha, self.bandwidth, self.name)
+
+    def ideal(self):
+        """The same link at its line rate, with the same latencies. NVLink SHARP's all_reduce
+        is scaled by the same ratio (line rate / achieved ring busbw): the datasheet twin is
+        never slower than the calibrated link (an estimate: no datasheet states an NVLS rate)."""
+        rate = self.datasheet or self.bandwidth
+        nvls = self.nvls * rate / self.bandwidth if self.nvls else None
+        return replace(self, name=f"{self.name} (datasheet)", bandwidth=rate, nvls=nvls)
+
+    def __str__(self):
+        rate = f"busbw {self.bandwidth / _GB:.3g} GB/s"
+        if self.nvls:
+            rate += f" (all_reduce {self.nvls / _GB:.3g} with NVLS)"
+        lat = f"latency {self.latency / _US:.3g} µs + {self.hop / _US:.3g} µs/step"
+        if self.p2p_latency is not None:
+            lat += f", message {self.p2p_latency / _US:.3g} µs"
+        return f"{self.name}: {rate}, {lat}"
+
+
+@dataclass(frozen=True)
+class GroupLink(Link):
+    """What a group that spans nodes sees: NCCL's cross-node latency (intra steps on NVLink,
+    inter steps on the network) and min(intra-node busbw, k × NIC busbw), k members per node.
+
+    An all_to_all is not a ring: each member's bytes for other nodes leave through the NICs its
+    node gives it (`member_nic`: k NICs shared by the node's members), its bytes for its own
+    node's members over NVLink (`intra_bandwidth`), both at once — the longer sets the time.
+    (DeepEP's kernels forward over NVLink to reach a NIC and get the same NIC rate.)"""
+    nodes: int = 1
+    intra_hop: float = 0.0
+    intra_bandwidth: float = None
+    member_nic: float = None
+
+    def seconds(self, op, nbytes, world_size):
+        if op not in _TERM:
+            raise ValueError(f"unknown collective {op!r}; the model knows {sorted(_TERM)}.")
+        if op == "send" or world_size <= 1:
+            return Link.seconds(self, op, nbytes, world_size)
+        _, volume = TERMS[_TERM[op]](nbytes, world_size)
+        per_node = max(1, world_size // self.nodes)
+        if _TERM[op] == "all_to_all" and self.member_nic:
+            local = nbytes * (per_node - 1) / world_size
+            remote = nbytes * (world_size - per_node) / world_size
+            steps_out = self.nodes - 1
+            # grouped sends to every peer at once (NCCL's all_to_all): no ring of steps inside
+            return (self.latency + steps_out * self.hop + max(local / (self.intra_bandwidth or self.bandwidth),
+                          remote / self.member_nic))
+        if _TERM[op] == "ring_all_reduce":
+            # NCCL's tree (low-latency protocol) for small all_reduces across nodes: up and down
+            # the chain inside each node, and log2(nodes) network hops each way.
+            steps_in, steps_out = 2 * (per_node - 1), 2 * math.ceil(math.log2(self.nodes))
+        else:
+            steps_out = self.nodes - 1
+            steps_in = max(0, TERMS[_TERM[op]](nbytes, world_size)[0] - steps_out)
+        return (self.latency + steps_in * self.intra_hop + steps_out * self.hop
+                + volume / self.bandwidth)
+
+
+# NVLink inside a node. Latency: NCCL's model of its low-latency (LL) protocol, NVIDIA/nccl
+# src/graph/tuning.cc (2.19+): baseLat Ring/LL 6.6 µs, hwLat NVLink Ring/LL 0.6 µs per step —
+# 8 GPUs: 6.6 + 14 · 0.6 = 15 µs for an all_reduce of a few bytes.
+# Message latency: NCCL sendrecv of 1 KB between two H800s on NVLink ≈ 3.7 µs without CUDA
+# graphs (NVIDIA/nccl#1984); 5 µs is an ESTIMATE that leaves room for a launch.
+_NVL_LAT, _NVL_HOP, _NVL_P2P = 6.6 * _US, 0.6 * _US, 5 * _US
+# A100 NVLink 3: 600 GB/s both directions, 300 per direction (A100 datasheet). Achieved
+# all_reduce busbw on 8 A100 SXM: 232.5 GB/s (NVIDIA/nccl-tests#175, a single DGX-class node);
+# NCCL's own tuning model caps Ampere busbw at 235 GB/s (tuning.cc, 2.8: "if (compCap80) busBw
+# = std::min(busBw, 235.0f)"). 230 GB/s.
+NVLINK3 = Link("NVLink 3 (A100 SXM)", 230 * _GB, _NVL_LAT, _NVL_HOP, _NVL_P2P,
+               datasheet=300 * _GB, source="nccl-tests#175: 232.5 GB/s on 8 A100")
+# H100 / H200 NVLink 4: 900 GB/s both directions, 450 per direction (datasheets). "With the
+# protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s ... NCCL_ALGO=
+# RING"; "On 8 GPUs, you should reach a peak busBw of ~480GB/s" with NVLink SHARP (S. Jeaugey,
+# NCCL maintainer, NVIDIA/nccl-tests#212). 476 GB/s "in the expected range for H100" (D. Addison,
+# nccl-tests#290).
+NVLINK4 = Link("NVLink 4 (H100/H200 SXM)", 370 * _GB, _NVL_LAT, _NVL_HOP, _NVL_P2P,
+               nvls=480 * _GB, datasheet=450 * _GB,
+               source="nccl-tests#212 (sjeaugey): ring 370 GB/s, NVLS ~480 GB/s")
+# Network, one NIC. Latency: tuning.cc hwLat NET Tree/LL 5.0 µs per network step, the same
+# 6.6 µs base; a message across the network: 10 µs is an ESTIMATE (NVLink's 5 µs plus one
+# network hop). Rates: InfiniBand NDR 400 Gb/s = 50 GB/s line rate; "For NDR @ 400Gbps you should
+# see 46-48GB/s per NIC" (AddyLaddy, NCCL team, nccl-tests#290): 47 GB/s. HDR 200 Gb/s = 25 GB/s;
+# "you should get ... 24GB/s inter-node" with one HDR NIC (sjeaugey, NVIDIA/nccl#412).
+# 100 Gb Ethernet (RoCE) = 12.5 GB/s; 8 × 100 Gb/s NICs reached ≈ 600 Gb/s busbw, "a bit low"
+# per the maintainers (NVIDIA/nccl#495): 10 GB/s per NIC is an ESTIMATE from that.
+_NET_LAT, _NET_HOP, _NET_P2P = 6.6 * _US, 5.0 * _US, 10 * _US
+IB_NDR = Link("InfiniBand NDR 400 Gb/s (one NIC)", 47 * _GB, _NET_LAT, _NET_HOP, _NET_P2P,
+              datasheet=50 * _GB, source="nccl-tests#290: 46-48 GB/s per NDR NIC")
+IB_HDR = Link("InfiniBand HDR 200 Gb/s (one NIC)", 24 * _GB, _NET_LAT, _NET_HOP, _NET_P2P,
+              datasheet=25 * _GB, source="NVIDIA/nccl#412: 24 GB/s per HDR NIC")
+ETH_100G = Link("100 Gb Ethernet (one NIC)", 10 * _GB, _NET_LAT, _NET_HOP, _NET_P2P,
+                datasheet=12.5 * _GB, source="NVIDIA/nccl#495 (estimate: ~9.4 GB/s per NIC)")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices and links: `intra` joins ranks of one node, `inter` is ONE NIC between nodes.
+    `ranks_per_node` ranks (GPUs) per node, `nics_per_node` NICs per node (None: the legacy
+    model, where a cross-node group runs at one `inter` link's rate), `nodes`: how many nodes
+    the cluster has (None: as many as a run needs)."""
+    name: str
+    device: Device
+    intra: Link
+    inter: Link = None
+    ranks_per_node: int = 8
+    source: str = ""
+    nics_per_node: int = None
+    nodes: int = None
+
+    def __post_init__(self):
+        owner = f"Cluster {self.name!r}"
+        if not isinstance(self.device, Device):
+            raise ValueError(f"{owner}: device must be a distlab.hardware.Device; "
+                             f"got {self.device!r}.")
+        for name in ("intra", "inter"):
+            link = getattr(self, name)
+            if name == "inter" and link is None:
+                continue
+            # a calibrated hardware.Link, or an α-β cost.Link (the datasheet presets)
+            if not (hasattr(link, "bandwidth") and hasattr(link, "alpha")):
+                raise ValueError(f"{owner}: {name} must be a distlab.hardware.Link or a "
+                                 f"distlab.cost.Link; got {link!r}.")
+        for name in ("ranks_per_node", "nics_per_node", "nodes"):
+            value = getattr(self, name)
+            if value is None and name != "ranks_per_node":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{owner}: {name} must be a whole number >= 1; got {value!r}.")
+
+    @property
+    def max_ranks(self):
+        """How many ranks the cluster can hold (None: no limit)."""
+        if self.nodes is None:
+            return None if self.inter is not None else self.ranks_per_node
+        return self.nodes * self.ranks_per_node
+
+    def check_world_size(self, world_size):
+        """Refuse more ranks than the emulated cluster has GPUs, in one sentence."""
+        limit = self.max_ranks
+        if limit is not None and world_size > limit:
+            where = (f"one node of {self.ranks_per_node} GPUs" if limit == self.ranks_per_node
+                     else f"{limit // self.ranks_per_node} nodes of {self.ranks_per_node} GPUs")
+            raise ValueError(f"the emulated cluster {self.name!r} has {limit} GPUs ({where}); "
+                             f"world_size={world_size} needs more — pick a preset with more "
+                             f"nodes or build a distlab.emulate.Cluster with nodes=.")
+
+    def link_between(self, ranks):
+        """The link a set of global ranks communicates over: the node's, or — across nodes —
+        NCCL's cross-node latency and min(intra busbw, k × NIC busbw), k members per node."""
+        ranks = list(ranks)
+        nodes = {r // self.ranks_per_node for r in ranks}
+        if self.inter is None or len(nodes) <= 1:
+            return self.intra
+        if self.nics_per_node is None:
+            return self.inter          # the legacy model: one link's rate across nodes
+        per_node = max(sum(1 for r in ranks if r // self.ranks_per_node == n) for n in nodes)
+        k = min(per_node, self.nics_per_node)
+        return GroupLink(
+            f"{len(nodes)} nodes × {per_node} ({k} NIC{'s' if k > 1 else ''} each)",
+            min(self.intra.bandwidth, k * self.inter.bandwidth), self.inter.latency,
+            self.inter.hop, self.inter.p2p_latency, None, None, self.inter.source,
+            nodes=len(nodes), intra_hop=self.intra.hop, intra_bandwidth=self.intra.bandwidth,
+            member_nic=k * self.inter.bandwidth / per_node)
+
+    def ideal(self):
+        """The same cluster at datasheet rates (no launch floor, GEMMs at peak, line rate)."""
+        return replace(self, name=f"{self.name} (datasheet)", device=self.device.ideal(),
+                       intra=self.intra.ideal(),
+                       inter=None if self.inter is None else self.inter.ideal())
+
+    def with_mode(self, mode):
+        """The same cluster with eager ("eager") or compiled/CUDA-graph ("graphs") launches."""
+        return replace(self, device=self.device.with_mode(mode))
+
+    def __str__(self):
+        links = f"{self.intra}"
+        if self.inter is not None:
+            per_node = f"{self.ranks_per_node} rank{'s' if self.ranks_per_node > 1 else ''}"
+            n = self.nics_per_node
+            nics = f", {n} NIC{'s' if n > 1 else ''}" if n else ""
+            links = f"{per_node}{nics} per node; {self.intra}; {self.inter}"
+        return f"{self.name} ({self.device.name}; {links})"

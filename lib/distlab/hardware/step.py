@@ -1,0 +1,117 @@
+"""A training step at full size: a transformer's layers, its parallel layout and its
+communication on a cluster, in closed form (validated in bench/fidelity.py)."""
+from dataclasses import dataclass
+
+import torch
+
+from .devices import _BF16
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """A decoder-only transformer's shape: layers, hidden size, heads, feed-forward size
+    (`ffn`; `glu` for SwiGLU's three matrices), vocabulary, key/value heads (GQA)."""
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    kv_heads: int = None
+    glu: bool = False
+
+    def params(self):
+        h, kv = self.hidden, (self.kv_heads or self.heads) * self.hidden // self.heads
+        attn = h * h * 2 + 2 * h * kv
+        mlp = (3 if self.glu else 2) * h * self.ffn
+        return self.layers * (attn + mlp) + 2 * self.vocab * h
+
+
+# Kernels in a training loop keep less than their isolated benchmark: sustained power and clocks,
+# NCCL kernels occupying SMs while communication overlaps, caches shared with other work. ONE
+# factor, FITTED to two end-to-end rows marked `calibration` in bench/published.csv (Megatron-LM
+# 1.7B and 145.6B, Narayanan et al. 2021 Table 1: geometric-mean ratio 1.00 at 0.96) and held
+# against the other published training runs there (validation rows: other sizes and layouts,
+# and torchtitan's FSDP runs, another code base).
+SUSTAINED = 0.96
+
+
+def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micro_batch=1,
+                 recompute="full", flash=True, dtype=_BF16, overlap_dp=False, fsdp=False,
+                 fused=True, sustained=None):
+    """Modeled seconds of one training step of `model` on `n_gpus` of `cluster` under
+    (dp, tp, pp) with 1F1B: every GEMM at the device's shape-dependent efficiency, elementwise
+    work at HBM speed, tensor-parallel all-reduces on the critical path, the pipeline bubble,
+    stage-to-stage messages, and the data-parallel gradient reduction (exposed unless
+    `overlap_dp`). `fsdp`: ZeRO-3 / FSDP over dp instead — bf16 weights all-gathered for
+    forward and again for backward, fp32 gradients reduce-scattered, all of it prefetched
+    behind compute (the step is the longer of the two).
+    recompute: "none"; "selective" (Korthikanti et al.: only the attention core, which flash
+    attention recomputes anyway); "selective-op" (torchtitan's op-level policy: every other
+    matmul and all elementwise ops recomputed); "full" (the whole forward again).
+    fused: the elementwise work in fused kernels (Megatron-LM: fused LayerNorm, bias-GeLU,
+    softmax) — Korthikanti's 34·s·b·h stored bytes written once and read once per layer,
+    68·s·b·h; unfused eager PyTorch (fused=False) reads and writes each intermediate: counted
+    from torchtitan's Llama layer (RMSNorm in float32: cast, pow, mean, mul, cast, weight ≈ 18
+    passes over s·b·h bf16 values, twice; RoPE through complex float32 ≈ 10; SwiGLU ≈ 5 of the
+    feed-forward width; two residual adds ≈ 6): ≈ 70 passes of 2·s·b·h bytes, 140·s·b·h.
+    sustained: the fraction of the benchmark rates (MAMF GEMMs, HBM copies) that kernels keep
+    inside a training loop (SUSTAINED by default; 1: the benchmarks' rates).
+    A small model, not a simulator: bench/fidelity.py says how small."""
+    dev, h, s, b = cluster.device, model.hidden, seq_len, micro_batch
+    dp = n_gpus // (tp * pp)
+    m = global_batch // (dp * b)                      # micro-batches per pipeline
+    t = b * s                                         # tokens per micro-batch
+    kv = (model.kv_heads or model.heads) * h // model.heads
+    per_layer = [(t, h, (h + 2 * kv) // tp), (t, h // tp, h)]          # QKV, output projection
+    per_layer += [(t, h, model.ffn // tp)] * (2 if model.glu else 1) + [(t, model.ffn // tp, h)]
+    item = torch.empty((), dtype=dtype).element_size()
+
+    def gemm(mm, kk, nn):           # (tokens, in features, out features): m × k by k × n
+        return dev.seconds(2.0 * mm * nn * kk, item * (mm * kk + kk * nn + mm * nn), dtype,
+                           (mm, nn, kk))
+
+    layer_fwd = sum(gemm(*g) for g in per_layer)
+    # attention scores: causal flash attention computes half of the s×s blocks
+    heads = model.heads // tp
+    attn_flops = 4.0 * b * heads * s * s * (h // model.heads) * (0.5 if flash else 1.0)
+    head_dim = h // model.heads
+    layer_fwd += attn_flops / (dev.peak(dtype) * dev.gemm_efficiency(s, s, head_dim, dtype, b * heads))
+    # elementwise work (norms, residuals, activation, dropout; softmax when not flash): each
+    # of Korthikanti et al.'s 34·s·b·h stored bytes written once and read once
+    per_token = 68 if fused else 140
+    elementwise = per_token * t * h / tp + (0 if flash else 2 * 5 * heads * s * s * b)
+    elementwise /= dev.memory_bandwidth
+    # forward-like passes over the layer: forward, backward (twice forward's work), recompute
+    if recompute not in ("none", "selective", "selective-op", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective', 'selective-op' or 'full'; "
+                         f"got {recompute!r}.")
+    gemm_passes = {"none": 3, "selective": 3, "selective-op": 3.5, "full": 4}[recompute]
+    other_passes = {"none": 3, "selective": 3, "selective-op": 4, "full": 4}[recompute]
+    passes = 4 if recompute == "full" else 3         # tensor-parallel all-reduce passes
+    layers_per_stage = model.layers / pp
+    compute = m * layers_per_stage * (gemm_passes * layer_fwd + other_passes * elementwise)
+    compute /= SUSTAINED if sustained is None else sustained
+    # vocabulary: the LM head on the last stage (fwd + bwd), vocab-parallel over tp
+    compute += m * 3 * gemm(t, h, model.vocab // tp)
+    bubble = compute * (pp - 1) / m
+    tp_link = cluster.link_between(range(tp))
+    tp_per_layer = (2 * passes - 2) if tp > 1 else 0          # 2 per forward-like pass
+    tp_comm = m * layers_per_stage * tp_per_layer * tp_link.seconds("all_reduce", item * t * h, tp)
+    pp_link = cluster.link_between([0, tp * (n_gpus // (tp * pp))]) if pp > 1 else None
+    pp_comm = 0.0 if pp == 1 else (m + pp - 1) * 2 * pp_link.seconds("send", item * t * h / tp, 2)
+    # a data-parallel group strides by tp·pp: its members sit on different nodes once tp·pp
+    # fills a node, one per node
+    dp_ranks = [i * tp * pp for i in range(dp)]
+    dp_link = cluster.link_between(dp_ranks)
+    grads = item * model.params() / (tp * pp)
+    dp_comm = 0.0 if dp == 1 else dp_link.seconds("all_reduce", grads, dp)
+    if fsdp and dp > 1:
+        weights = item * model.params() / (tp * pp)
+        dp_comm = (2 * dp_link.seconds("all_gather", weights, dp)
+                   + dp_link.seconds("reduce_scatter", 2 * weights, dp))
+        busy = compute + bubble + tp_comm + pp_comm
+        return dict(step=max(busy, dp_comm), compute=compute, bubble=bubble, tp=tp_comm,
+                    pp=pp_comm, dp=dp_comm, micro_batches=m, dp_size=dp)
+    exposed_dp = 0.0 if overlap_dp else dp_comm
+    return dict(step=compute + bubble + tp_comm + pp_comm + exposed_dp, compute=compute,
+                bubble=bubble, tp=tp_comm, pp=pp_comm, dp=dp_comm, micro_batches=m, dp_size=dp)
