@@ -30,6 +30,8 @@ def pytest_configure(config):
     # suite, and through it every child, what a terminal gives.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    from budget import Budget
+    config.pluginmanager.register(Budget(config), "distlab-budget")
     import jupyter_client.manager
     jupyter_client.manager.start_new_kernel = retry_kernel_start(
         jupyter_client.manager.start_new_kernel)
