@@ -112,6 +112,15 @@ def _uneven(rank, world_size, seq_len, causal, kind):
         out = cp.all_gather_attention(q, k, v, positions, causal, documents=_documents(seq_len)[positions])
         (out * weights[:, :, positions]).sum().backward()
         got += [out.detach(), q.grad, k.grad, v.grad]
+        # grouped-query K/V (4 query heads, 2 K/V heads), without and with documents: Llama 3's
+        # two reasons to gather, together
+        w = torch.linspace(-1, 1, B * 4 * seq_len * D, dtype=torch.float64).view(B, 4, seq_len, D)
+        for documents in (None, _documents(seq_len)[positions]):
+            q, k, v = [t[:, :, positions].clone().requires_grad_()
+                       for t in _gqa_inputs(seq_len, 4, 2)]
+            out = cp.all_gather_attention(q, k, v, positions, causal, documents=documents)
+            (out * w[:, :, positions]).sum().backward()
+            got += [out.detach(), q.grad, k.grad, v.grad]
     return got
 
 
@@ -121,13 +130,16 @@ def _documents(seq_len):
     return torch.repeat_interleave(torch.arange(seq_len), lengths)[:seq_len]
 
 
-def _documents_dense(seq_len, causal):
-    """Dense attention over the whole sequence with a block-diagonal (causal) mask."""
-    q, k, v = [t.requires_grad_() for t in _inputs(seq_len)]
+def _documents_dense(seq_len, causal, heads=H, kv_heads=H, documents=True):
+    """Dense attention over the whole sequence with a block-diagonal (causal) mask; query head h
+    reads K/V head h // (heads / kv_heads)."""
+    q, k, v = [t.requires_grad_() for t in _gqa_inputs(seq_len, heads, kv_heads)]
     docs, pos = _documents(seq_len), torch.arange(seq_len)
-    hidden = (docs[:, None] != docs[None, :]) | ((pos[None, :] > pos[:, None]) & causal)
-    s = (q @ k.transpose(-2, -1)) / D ** 0.5
-    out = torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1) @ v
+    hidden = (docs[:, None] != docs[None, :]) & documents
+    hidden = hidden | ((pos[None, :] > pos[:, None]) & causal)
+    wide_k, wide_v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    s = (q @ wide_k.transpose(-2, -1)) / D ** 0.5
+    out = torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1) @ wide_v
     (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -142,12 +154,16 @@ def test_blocks_of_unequal_length_equal_dense_attention(kind, world_size, seq_le
     assert len({len(positions) for positions, *_ in results}) == 2      # unequal blocks
     if kind == "all_gather":
         expected += _documents_dense(seq_len, causal)
+        expected += _documents_dense(seq_len, causal, 4, 2, documents=False)
+        expected += _documents_dense(seq_len, causal, 4, 2)
         docs = _documents(seq_len)
         # a document that spans blocks, and a mask that hides something causality would not
         assert any(len(set(docs[r[0]].tolist()) & set(docs[o[0]].tolist())) for r, o in
                    zip(results, results[1:]))
     for positions, *got in results:
-        names = ("output", "dq", "dk", "dv") * 2
+        names = [f"{case} {name}" for case in ("plain", "documents", "GQA", "GQA documents")
+                 for name in ("output", "dq", "dk", "dv")]
+        assert len(got) == len(expected) == (16 if kind == "all_gather" else 4)
         for name, g, e in zip(names, got, expected):
             torch.testing.assert_close(g, e[:, :, positions], rtol=1e-12, atol=1e-12,
                                        msg=lambda m: f"{name}: {m}")
@@ -184,7 +200,8 @@ def test_the_explicit_mask_path_a_gpu_takes_equals_the_cpu_flash_kernel(causal, 
     q_pos = torch.tensor([0, 1, 6, 7])
     k_pos = torch.tensor([2, 3, 4, 5, 6, 7, 0, 1])
     flash = cp.block_attention(q[:, :, :4], k, v, q_pos, k_pos, causal, 0.5)
-    monkeypatch.setattr(cp, "_cpu_kernel", lambda q: False)
+    # block_attention reads the kernel test where it lives (the package only re-exports it)
+    monkeypatch.setattr(cp.blocks, "_cpu_kernel", lambda q: False)
     masked = cp.block_attention(q[:, :, :4], k, v, q_pos, k_pos, causal, 0.5)
     for a, b in zip(flash, masked):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)

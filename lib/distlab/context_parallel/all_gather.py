@@ -5,7 +5,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .blocks import _add_rows, _check_block, _grads, block_attention
+from .blocks import _add_rows, _as_q_heads, _check_block, _grads, block_attention
 from .exchange import _all_positions, _gather_tokens, _pad_tokens, _positions_for
 from .plan import block_plan
 
@@ -55,7 +55,10 @@ def all_gather_attention(q, k, v, positions, causal=False, group=None, documents
 def document_attention(q, k, v, q_pos, k_pos, q_docs, k_docs, causal=True):
     """Attention of q over k, v where a query sees only keys of its own document (and, causal,
     not after it): the mask of packed sequences. Plain autograd on explicit scores: every query
-    sees at least itself, so no row is empty."""
+    sees at least itself, so no row is empty. Under grouped-query attention k and v have fewer
+    heads than q: each is widened to q's heads here, after the gather, so the all-gather carries
+    the small K/V and autograd sums each K/V head's gradient over the query heads it served."""
+    k, v = _as_q_heads(q, (k, v))
     s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     hidden = q_docs.to(s.device)[:, None] != k_docs.to(s.device)[None, :]
     if causal:
