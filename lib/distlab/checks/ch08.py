@@ -55,7 +55,11 @@ _REFUSED_NAMES = {"gpipe", "one_f_one_b", "interleaved_1f1b", "nth", "zb_h1", "m
                   "simulate", "bubble_fraction", "theory_bubble", "zb_h1_bubble", "theory",
                   "bubble", "_closed_form", "_simulated_bubble", "_best_m", "_reference",
                   "_one_f_one_b_slow_last", "slow_stage_run", "train", "step"}
-_COURSE_FILES = {os.path.realpath(f) for f in (ps.__file__, pp.__file__, sim.__file__, __file__)}
+_COURSE_FILES = {os.path.realpath(f) for f in (sim.__file__, __file__)} | {
+    # a course module that is a package counts with every file in it
+    os.path.realpath(os.path.join(d, f)) for mod in (ps, pp)
+    for d in getattr(mod, "__path__", []) for f in os.listdir(d) if f.endswith(".py")} | {
+    os.path.realpath(mod.__file__) for mod in (ps, pp)}
 
 
 @contextlib.contextmanager
