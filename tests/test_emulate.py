@@ -296,3 +296,30 @@ def _returns_meta(rank, world_size):
 def test_a_meta_tensor_a_rank_returns_comes_back_as_its_shape():
     out = distlab.run(_returns_meta, 1, emulate=A100, timeout=20)[0]
     assert out.is_meta and out.shape == (2, 4) and not out.requires_grad
+
+
+# ---- what the CPU backend does on its own is not billed as device work (issue 42 item 10) ------
+
+def _collectives_alone(rank, world_size):
+    """Each collective between two reads of the clock, nothing else: its time is the link's."""
+    x, out = torch.ones(2 * world_size), torch.empty(2)
+    times = []
+    for call in (lambda: dist.reduce_scatter_tensor(out, x),
+                 lambda: dist.reduce_scatter_tensor(out, x, async_op=True).wait(),
+                 lambda: dist.barrier()):
+        before = trace.now()
+        call()
+        times.append(trace.now() - before)
+    return times, out.tolist()
+
+
+def test_a_collective_costs_its_modelled_time_and_not_gloos_copies():
+    """gloo finishes reduce_scatter_tensor with a copy of its own at wait(), and barrier with a
+    scratch tensor: neither is a device op on an H100 (before: each billed the 10 µs floor)."""
+    link = PRESETS["h100-node"].intra
+    results = distlab.run(_collectives_alone, 2, emulate="h100-node", timeout=30)
+    scatter = comm_seconds("reduce_scatter", 4 * 4, 2, link)
+    barrier = comm_seconds("barrier", 4, 2, link)
+    for times, values in results:
+        assert times == pytest.approx([scatter, scatter, barrier], rel=1e-12)
+        assert values == [2.0, 2.0]            # the values are gloo's, exact

@@ -151,7 +151,7 @@ class TracedWork(dist.Work):
         if self._finished:
             return True
         called, seen = self._recorder.now(), self._recorder._marker()
-        ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        ok = self._recorder.backend(self._inner.wait, *([] if timeout is None else [timeout]))
         self._recorder.finish(self._event, self._inner, called, seen)
         self._finished = True
         return ok
@@ -164,7 +164,7 @@ class TracedWork(dist.Work):
         end = rec.completion(self._event)
         if end is None or end > rec.clock.now:
             return False
-        self._inner.wait()          # every member launched it: the real result is moments away
+        rec.backend(self._inner.wait)   # every member launched it: the result is moments away
         return True
 
     def is_success(self):
@@ -213,7 +213,7 @@ class _DeviceMode(TorchDispatchMode):
                 rec.native(_NATIVE.get(name, name), _nbytes(args), _dtype(args))
         elif not getattr(func, "is_view", False):
             rec.ops += not rec.inside       # work done between a launch and its wait, plainly too
-            if rec.clock is not None:
+            if rec.clock is not None and not rec.inside:   # backend ops: Recorder.backend
                 rec.charge(func, args, kwargs, out)
         return out
 
@@ -333,6 +333,16 @@ class Recorder:
                                flops=None))
 
     # -- communication -----------------------------------------------------------------------
+    def backend(self, call, *args):
+        """call(*args) as the backend's own work: gloo finishes some collectives with tensor ops
+        on the caller's thread (reduce_scatter_tensor copies its result out at wait()); on the
+        modeled device the collective's time already covers them."""
+        inside, self.inside = self.inside, True
+        try:
+            return call(*args)
+        finally:
+            self.inside = inside
+
     def ranks_of(self, pg):
         key = id(pg)
         if key not in self._ranks:
