@@ -116,9 +116,22 @@ def test_stage_peaks_follow_the_1f1b_schedule():
 
 
 def test_spiking_ranks():
+    nan, inf = float("nan"), float("inf")
     assert nd.spiking_ranks([1.0, 1.1, 0.9, 1.0]) == []
     assert nd.spiking_ranks([1.0, 80.0, 0.9, 1.0]) == [1]
-    assert nd.spiking_ranks([1.0, float("nan"), 0.9]) == [1]
+    assert nd.spiking_ranks([1.0, nan, 0.9]) == [1]
+    # a non-finite value is reported AND the finite spikes are still found among the rest
+    # (before: sorting with NaN or inf picked a median that hid rank 3's spike)
+    assert nd.spiking_ranks([1.0, inf, 80.0, 1.0]) == [1, 2]
+    assert nd.spiking_ranks([1.0, inf, -inf, 80.0, 1.0]) == [1, 2, 3]
+    assert nd.spiking_ranks([nan, 1.0, 1.0, 80.0, 1.2]) == [0, 3]             # NaN on rank 0
+    assert nd.spiking_ranks([1.0, nan, 1.0, 90.0, nan, 1.0]) == [1, 3, 4]     # on two ranks
+    assert nd.spiking_ranks([2.0, 1.0, nan, 50.0, 1.0]) == [2, 3]
+    # two ranks: the spike is judged against the other rank, not a median it sits in itself
+    assert nd.spiking_ranks([1.0, 100.0]) == [1]
+    assert nd.spiking_ranks([nan, nan]) == [0, 1]
+    assert nd.spiking_ranks([3.0]) == []                      # nothing to compare one rank with
+    assert nd.spiking_ranks(torch.tensor([1.0, 30.0, 1.0])) == [1]      # a tensor of norms too
 
 
 def test_anomaly_mode_names_the_op_and_the_line():
@@ -185,3 +198,198 @@ def test_an_expandable_segment_under_pressure_lists_only_its_mapped_pages():
     snap = a.snapshot()
     assert sum(s["total_size"] for s in snap["segments"]) == a.reserved
     assert "total_reserved: 100.0MiB" in _memory_viz.segsum(snap)
+
+
+# ---- what torch's CUDA caching allocator says when it runs out (issue 42 items 11, 19) ------------
+
+def _torch_alloc_size(nbytes):
+    # c10/cuda/CUDACachingAllocator.cpp, written out again here so the model is checked against
+    # the source and not against itself: round_size (512 B multiples) then get_allocation_size
+    size = 512 if nbytes < 512 else 512 * ((nbytes + 511) // 512)
+    if size <= 1048576:                 # kSmallSize -> kSmallBuffer
+        return 2097152
+    if size < 10485760:                 # kMinLargeAlloc -> kLargeBuffer
+        return 20971520
+    return 2097152 * ((size + 2097151) // 2097152)      # kRoundLarge
+
+
+def _torch_format_size(n):              # format_size: <= at each threshold, 2 decimals
+    if n <= 1024:
+        return f"{n} bytes"
+    for limit, unit, scale in ((2 ** 20, "KiB", 1024), (2 ** 30, "MiB", 2 ** 20)):
+        if n <= limit:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2 ** 30:.2f} GiB"
+
+
+def test_oom_names_the_segment_torch_asked_the_driver_for():
+    cases = {100: "2.00 MiB", MiB: "2.00 MiB", MiB + 1: "20.00 MiB", 3 * MiB: "20.00 MiB",
+             10 * MiB - 512: "20.00 MiB", 10 * MiB: "10.00 MiB", 11 * MiB + 1: "12.00 MiB",
+             100 * MiB + 3: "102.00 MiB", 3 * 2 ** 30 + 5: "3.00 GiB"}
+    for nbytes, said in cases.items():
+        assert _torch_format_size(_torch_alloc_size(nbytes)) == said
+        for expandable in (False, True):
+            a = md.CachingAllocator(MiB, expandable_segments=expandable)
+            with pytest.raises(md.OutOfMemory) as e:
+                a.malloc(nbytes)
+            assert str(e.value).startswith(f"CUDA out of memory. Tried to allocate {said}. "), \
+                (nbytes, expandable, str(e.value))
+            assert a.trace[-1]["action"] == "oom" and a.trace[-1]["size"] == md.round_size(nbytes)
+
+
+def test_sizes_print_as_torchs_format_size():
+    for n in (0, 1, 1023, 1024, 1025, MiB - 1, MiB, MiB + 1, 2 ** 30, 2 ** 30 + 1, 5 * 2 ** 30):
+        assert md.fmt(n) == _torch_format_size(n), n
+    assert md.fmt(1024) == "1024 bytes" and md.fmt(MiB) == "1024.00 KiB"
+
+
+def test_an_empty_tensor_takes_no_block():
+    # torch's allocate(0) never calls malloc: a null pointer, nothing allocated or reserved
+    a = md.CachingAllocator(4 * MiB)
+    h = a.malloc(0)
+    assert a.allocated == 0 and a.reserved == 0 and a.trace == []
+    a.free(h)
+    a.free(h)                               # freeing null is a no-op, as cudaFree(nullptr)
+    assert md.replay([{"action": "alloc", "id": 1, "bytes": 0, "op": "empty"},
+                      {"action": "free", "id": 1}], 4 * MiB)["reserved"] == [0, 0]
+
+
+def test_double_free_and_a_negative_size_are_refused():
+    a = md.CachingAllocator(40 * MiB)
+    x = a.malloc(1000)
+    a.free(x)
+    with pytest.raises(ValueError) as e:
+        a.free(x)
+    assert str(e.value) == (
+        f"free({x:#x}): no block malloc returned is live at that address (freed already, or "
+        "never returned by malloc); free each handle once.")
+    assert a.allocated == 0 and a.trace[-1]["action"] == "free_completed"   # nothing changed
+    with pytest.raises(ValueError) as e:
+        a.malloc(-5)
+    assert str(e.value) == ("malloc(-5): a size in bytes cannot be negative; pass the tensor's "
+                            "nbytes (0 or more).")
+    assert a.allocated == 0 and a.reserved == 2 * MiB
+
+
+def _bad_calls():
+    a = md.CachingAllocator(40 * MiB)
+    ev = [{"action": "alloc", "id": 1, "bytes": 10, "op": "x"}]
+    return [
+        (lambda: md.CachingAllocator(-1), ValueError,
+         "capacity is -1 bytes: give the device's memory in bytes, more than 0 (e.g. 80 * 2**30)."),
+        (lambda: md.CachingAllocator(0), ValueError,
+         "capacity is 0 bytes: give the device's memory in bytes, more than 0 (e.g. 80 * 2**30)."),
+        (lambda: md.CachingAllocator("80GB"), TypeError,
+         "capacity must be a whole number of bytes (an int), not str."),
+        (lambda: md.CachingAllocator(2.5e9 + 0.5), ValueError,
+         "capacity must be a whole number of bytes, not 2500000000.5."),
+        (lambda: md.CachingAllocator(MiB, expandable_segments="yes"), TypeError,
+         "expandable_segments must be True or False, not 'yes'."),
+        (lambda: a.malloc(1.5), ValueError, "malloc(1.5): a size must be a whole number of bytes."),
+        (lambda: a.malloc(None), TypeError,
+         "malloc(None): a size must be a whole number of bytes (an int), not NoneType."),
+        (lambda: a.malloc(True), TypeError,
+         "malloc(True): a size must be a whole number of bytes (an int), not bool."),
+        (lambda: a.malloc(2 ** 60), md.OutOfMemory,
+         "CUDA out of memory. Tried to allocate more than 1EB memory."),
+        (lambda: a.free("0x1"), TypeError,
+         "free takes the handle malloc returned (an int), not str."),
+        (lambda: a.free(12345), ValueError,
+         "free(0x3039): no block malloc returned is live at that address (freed already, or "
+         "never returned by malloc); free each handle once."),
+        (lambda: md.round_size(-1), ValueError,
+         "round_size(-1): a size in bytes cannot be negative; pass the tensor's nbytes (0 or "
+         "more)."),
+        (lambda: md.segment_size("1 MiB"), TypeError,
+         "segment_size('1 MiB'): a size must be a whole number of bytes (an int), not str."),
+        (lambda: md.replay("events", MiB), TypeError,
+         "events must be a list of record_step's events (dicts), not str."),
+        (lambda: md.replay([{"action": "malloc", "id": 1}], MiB), ValueError,
+         "events[0] has action 'malloc': each event is {'action': 'alloc', 'id', 'bytes'} or "
+         "{'action': 'free', 'id'}, as record_step logs them."),
+        (lambda: md.replay([{"action": "alloc", "id": 1}], MiB), ValueError,
+         "events[0] allocates without 'bytes': each event is {'action': 'alloc', 'id', 'bytes'} "
+         "or {'action': 'free', 'id'}, as record_step logs them."),
+        (lambda: md.replay([{"action": "alloc", "id": 1, "bytes": -4}], MiB), ValueError,
+         "events[0]['bytes'] is -4: a size in bytes cannot be negative; pass the tensor's nbytes "
+         "(0 or more)."),
+        (lambda: md.replay(ev + ev, MiB), ValueError,
+         "events[1] allocates id 1, which is still alive since events[0]: free it first, or give "
+         "each allocation its own id."),
+        (lambda: md.replay(ev, MiB, parameters=[4, -1]), ValueError,
+         "parameters[1] is -1: a size in bytes cannot be negative; pass the tensor's nbytes (0 "
+         "or more)."),
+        (lambda: md.smallest_device(ev, step=0), ValueError,
+         "step is 0 bytes: give the capacity's granularity in bytes, more than 0 (the default "
+         "is 2 MiB)."),
+        (lambda: md.live_total(ev, start=-1), ValueError,
+         "start is -1: a size in bytes cannot be negative; pass the tensor's nbytes (0 or "
+         "more)."),
+    ]
+
+
+def test_bad_calls_to_the_allocator_model_get_one_sentence():
+    for call, kind, sentence in _bad_calls():
+        with pytest.raises(kind) as e:
+            call()
+        assert str(e.value) == sentence
+
+
+def _nan_bad_calls():
+    relu = torch.nn.ReLU()
+    lin = torch.nn.Linear(2, 2)
+    return [
+        (lambda: nd.spiking_ranks([]), ValueError,
+         "norms_by_rank is empty: pass one gradient norm (or loss) per rank."),
+        (lambda: nd.spiking_ranks(3.0), TypeError,
+         "norms_by_rank must be a list with one number per rank, not float."),
+        (lambda: nd.spiking_ranks("1 2"), TypeError,
+         "norms_by_rank must be a list with one number per rank, not str."),
+        (lambda: nd.spiking_ranks(torch.ones(2, 2)), TypeError,
+         "norms_by_rank is a 2-D tensor: pass one number per rank (a list or a 1-D tensor)."),
+        (lambda: nd.spiking_ranks([1.0, "2"]), TypeError,
+         "norms_by_rank[1] is '2': pass one number per rank."),
+        (lambda: nd.spiking_ranks([1.0, torch.ones(3)]), TypeError,
+         "norms_by_rank[1] is a tensor of 3 values: pass one number per rank."),
+        (lambda: nd.spiking_ranks([1.0, 2.0], factor=1.0), ValueError,
+         "factor is 1.0: a spike is a value more than `factor` times the others' median; "
+         "give a number above 1 (the default is 10)."),
+        (lambda: nd.spiking_ranks([1.0, 2.0], factor=float("nan")), ValueError,
+         "factor is nan: a spike is a value more than `factor` times the others' median; "
+         "give a number above 1 (the default is 10)."),
+        (lambda: nd.spiking_ranks([1.0, 2.0], factor="10"), TypeError,
+         "factor must be a number above 1 (the default is 10), not str."),
+        (lambda: nd.local_grad_norms("model"), TypeError,
+         "local_grad_norms takes the model (a torch.nn.Module), not str."),
+        (lambda: nd.local_grad_norms(relu), ValueError,
+         "the model has no parameters: there is no gradient to check."),
+        (lambda: nd.first_nonfinite_gradient(lin), ValueError,
+         "first_nonfinite_gradient gathers every rank's norms: call it on every rank inside "
+         "distlab.run (no process group is initialised here)."),
+        (lambda: nd.anomaly_op(torch.ones(2)), TypeError,
+         "anomaly_op takes a function that runs a forward and a backward, not Tensor: wrap the "
+         "step in a def."),
+        (lambda: nd.overflow_report([1.0, 7e4]), TypeError,
+         "overflow_report takes a tensor (torch.tensor(values)), not list."),
+        (lambda: nd.overflow_report(torch.ones(0)), ValueError,
+         "overflow_report needs values: the tensor is empty."),
+        (lambda: nd.overflow_report(torch.ones(2, dtype=torch.complex64)), TypeError,
+         "overflow_report checks real values, not complex64: pass t.real or t.abs()."),
+        (lambda: nd.flops_per_token(-7e9, 32, 4096, 4096), ValueError,
+         "n_params is -7000000000.0: it cannot be negative."),
+        (lambda: nd.flops_per_token(7e9, 32, "4096", 4096), TypeError,
+         "hidden must be a number, not str."),
+        (lambda: nd.mfu(1e5, 0, 989e12, 7e9, 32, 4096, 4096), ValueError,
+         "n_gpus is 0: it must be more than 0."),
+        (lambda: nd.mfu(1e5, 8, 0, 7e9, 32, 4096, 4096), ValueError,
+         "peak_flops is 0: it must be more than 0."),
+        (lambda: nd.mfu(-1, 8, 989e12, 7e9, 32, 4096, 4096), ValueError,
+         "tokens_per_s is -1: it cannot be negative."),
+    ]
+
+
+def test_bad_calls_to_nan_debug_get_one_sentence():
+    for call, kind, sentence in _nan_bad_calls():
+        with pytest.raises(kind) as e:
+            call()
+        assert str(e.value) == sentence

@@ -2,7 +2,7 @@
 one device and one stream: size classes and pools, best fit, splitting, merging, releasing
 cached segments before giving up, expandable segments, torch's out-of-memory sentence and
 the layout of torch.cuda.memory._snapshot(). The package's doc says what it leaves out."""
-import math
+import numbers
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -14,33 +14,56 @@ SMALL_BUFFER = 2 * MiB          # kSmallBuffer: a small-pool segment
 MIN_LARGE_ALLOC = 10 * MiB      # kMinLargeAlloc: requests below this share a 20 MiB segment
 LARGE_BUFFER = 20 * MiB         # kLargeBuffer
 ROUND_LARGE = 2 * MiB           # kRoundLarge: larger requests get a segment rounded to 2 MiB
+ONE_EXABYTE = 2 ** 60           # NativeCachingAllocator::allocate refuses this much outright
 
 
 class OutOfMemory(RuntimeError):
     """What torch.OutOfMemoryError says, from the model's numbers."""
 
 
+def whole_bytes(value, what):
+    """`value` as an int number of bytes, or a TypeError / ValueError whose one sentence names
+    `what` (e.g. "malloc(-5)", "events[3]['bytes'] is -4") and says what to pass instead."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what}: a size must be a whole number of bytes (an int), not "
+                        f"{type(value).__name__}.")
+    if value != value or value in (float("inf"), float("-inf")) or int(value) != value:
+        raise ValueError(f"{what}: a size must be a whole number of bytes.")
+    if value < 0:
+        raise ValueError(f"{what}: a size in bytes cannot be negative; pass the tensor's nbytes "
+                         f"(0 or more).")
+    return int(value)
+
+
 def round_size(nbytes):
     """The block size a request gets (every block a multiple of 512 bytes, at least 512)."""
-    return max(MIN_BLOCK, MIN_BLOCK * math.ceil(nbytes / MIN_BLOCK))
+    nbytes = whole_bytes(nbytes, f"round_size({nbytes!r})")
+    # integer arithmetic: a float ceil would misround sizes past 2**53
+    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
 
 
 def segment_size(size):
-    """How much the allocator asks cudaMalloc for when no cached block fits
-    (get_allocation_size)."""
+    """How much the allocator asks the driver for when no cached block fits a request of
+    `size` (already rounded) bytes: get_allocation_size in c10/cuda/CUDACachingAllocator.cpp.
+    This, not the request, is the size torch's out-of-memory message says it tried to
+    allocate (malloc passes alloc_size to format_size): a 3 MiB tensor reports 20.00 MiB."""
+    size = whole_bytes(size, f"segment_size({size!r})")
     if size <= SMALL_SIZE:
         return SMALL_BUFFER
     if size < MIN_LARGE_ALLOC:
         return LARGE_BUFFER
-    return ROUND_LARGE * math.ceil(size / ROUND_LARGE)
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
 def fmt(nbytes):
-    """Bytes as the OOM message prints them: 170.00 MiB, 22.30 GiB."""
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
-        if nbytes >= scale:
+    """Bytes as the OOM message prints them: torch's format_size (CUDACachingAllocator.cpp),
+    whose thresholds are inclusive, so 1024 B prints as "1024 bytes" and 1 MiB as "1024.00 KiB"."""
+    if nbytes <= 1024:
+        return f"{nbytes} bytes"
+    for limit, unit, scale in ((MiB, "KiB", 1024), (GiB, "MiB", MiB)):
+        if nbytes <= limit:
             return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} bytes"
+    return f"{nbytes / GiB:.2f} GiB"
 
 
 class CachingAllocator:
@@ -53,7 +76,19 @@ class CachingAllocator:
     OutOfMemory with torch's sentence."""
 
     def __init__(self, capacity, expandable_segments=False):
-        self.capacity, self.expandable = capacity, expandable_segments
+        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Real):
+            raise TypeError(f"capacity must be a whole number of bytes (an int), not "
+                            f"{type(capacity).__name__}.")
+        if capacity != capacity or capacity in (float("inf"), float("-inf")) or \
+                int(capacity) != capacity:
+            raise ValueError(f"capacity must be a whole number of bytes, not {capacity}.")
+        if capacity <= 0:
+            raise ValueError(f"capacity is {capacity} bytes: give the device's memory in bytes, "
+                             f"more than 0 (e.g. 80 * 2**30).")
+        if not isinstance(expandable_segments, bool):
+            raise TypeError(f"expandable_segments must be True or False, not "
+                            f"{expandable_segments!r}.")
+        self.capacity, self.expandable = int(capacity), expandable_segments
         self.segments = []          # {"address", "size", "pool", "blocks": [[addr, size, req]]}
         self.live = {}              # address -> (segment, block)
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
@@ -121,6 +156,13 @@ class CachingAllocator:
         return len(pages - seg["mapped"]) * page, pages
 
     def malloc(self, nbytes, name=""):
+        """A block for `nbytes` bytes: its address, or 0 for 0 bytes (torch's allocate(0) never
+        reaches the allocator: an empty tensor holds a null pointer and no block)."""
+        nbytes = whole_bytes(nbytes, f"malloc({nbytes!r})")
+        if nbytes >= ONE_EXABYTE:
+            raise OutOfMemory("CUDA out of memory. Tried to allocate more than 1EB memory.")
+        if nbytes == 0:
+            return 0
         size = round_size(nbytes)
         pool = "small" if size <= SMALL_SIZE else "large"
         for attempt in (0, 1):
@@ -136,7 +178,7 @@ class CachingAllocator:
         self.ooms += 1
         self.trace.append({"action": "oom", "addr": 0, "size": size, "stream": 0, "frames": [],
                            "device_free": self.capacity - self.reserved})
-        raise OutOfMemory(self.oom_message(size))
+        raise OutOfMemory(self.oom_message(segment_size(size)))
 
     def _malloc_cached(self, size, pool):
         best = self._best_fit(size, pool)
@@ -193,6 +235,17 @@ class CachingAllocator:
         return addr
 
     def free(self, addr):
+        """Give back the block malloc returned at `addr`; 0 (an empty tensor's null) is a
+        no-op, as freeing a null pointer is in torch."""
+        if isinstance(addr, bool) or not isinstance(addr, numbers.Integral):
+            raise TypeError(f"free takes the handle malloc returned (an int), not "
+                            f"{type(addr).__name__}.")
+        if addr == 0:
+            return
+        if addr not in self.live:
+            raise ValueError(f"free({addr:#x}): no block malloc returned is live at that address "
+                             f"(freed already, or never returned by malloc); free each handle "
+                             f"once.")
         seg, _ = self.live.pop(addr)
         blocks = seg["blocks"]
         i = next(j for j, b in enumerate(blocks) if b[0] == addr)
@@ -211,10 +264,12 @@ class CachingAllocator:
             blocks[i - 1][1] += blocks.pop(i)[1]
 
     # -- what torch reports -----------------------------------------------------------------
-    def oom_message(self, size):
-        """torch's OutOfMemoryError text (torch >= 2.2), from the model's own numbers."""
+    def oom_message(self, alloc_size):
+        """torch's OutOfMemoryError text (torch >= 2.2), from the model's own numbers.
+        `alloc_size`: what the allocator asked the driver for, segment_size of the rounded
+        request, which is what torch reports (not the tensor's size)."""
         free = self.capacity - self.reserved
-        return (f"CUDA out of memory. Tried to allocate {fmt(size)}. GPU 0 has a total capacity "
+        return (f"CUDA out of memory. Tried to allocate {fmt(alloc_size)}. GPU 0 has a total capacity "
                 f"of {fmt(self.capacity)} of which {fmt(free)} is free. Of the allocated memory "
                 f"{fmt(self.allocated)} is allocated by PyTorch, and "
                 f"{fmt(self.reserved - self.allocated)} is reserved by PyTorch but unallocated. "
