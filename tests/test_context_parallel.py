@@ -85,6 +85,15 @@ def test_lengths_that_do_not_split_are_refused_in_a_sentence():
         cp.zigzag_positions(10, 0, 3)
     with pytest.raises(ValueError, match="does not split into 3 equal chunks"):
         cp.contiguous_positions(10, 0, 3)
+    # what to do names sizes that work: 4 divides 12, but zig-zag needs 2 chunks per rank
+    with pytest.raises(ValueError, match=r"8 equal chunks for the zig-zag layout \(2 per rank\);"
+                                         r".* choose a context-parallel size that splits it: "
+                                         r"cp = 3 or 6 here\."):
+        cp.zigzag_positions(12, 0, 4)
+    with pytest.raises(ValueError, match=r"splits it: cp = 1 here\."):
+        cp.zigzag_positions(11, 1, 2)
+    # one rank holds the whole sequence in order, whatever its length
+    assert torch.equal(cp.zigzag_positions(11, 0, 1), torch.arange(11))
 
 
 def test_merging_two_halves_is_attention_over_both():

@@ -3,7 +3,8 @@ steps. One launch per layout: 2×2×2×1 and 1×2×2×2 are the two 8-rank meshe
 group (each leaves one dimension at 1; 2×2×2×2 would take 16 ranks), 1×1×3×1 an odd ring, and
 1×1×2×4 with grouped-query attention (8 query heads, 2 K/V heads: each K/V head split across
 the 2 tp ranks that share it and gathered, then widened to the rank's 2 query heads only inside
-the ring's kernels; the ring carries the small K/V)."""
+the ring's kernels; the ring carries the small K/V). One more 8-rank launch: 11 tokens train at
+cp = 1 (2×2×1×2) and are refused at cp = 2 with the sizes that would split them."""
 import pytest
 import torch
 
@@ -16,13 +17,13 @@ GQA = dict(CONFIG, n_heads=8, n_kv_heads=2)
 STEPS, LR = 2, 0.1
 
 
-def _data():
-    return models.token_data(n=4, seq_len=12, vocab=32, seed=1)
+def _data(seq_len=12):
+    return models.token_data(n=4, seq_len=seq_len, vocab=32, seed=1)
 
 
-def _dense(config=CONFIG):
+def _dense(config=CONFIG, seq_len=12):
     gpt = models.make_gpt(seed=0, **config).double()
-    x, y = _data()
+    x, y = _data(seq_len)
     losses = []
     for _ in range(STEPS):
         gpt.zero_grad()
@@ -35,12 +36,24 @@ def _dense(config=CONFIG):
     return gpt, losses
 
 
-def _run_4d(rank, world_size, dp, pp, cp, tp, n_micro, config=CONFIG):
+def _run_4d(rank, world_size, dp, pp, cp, tp, n_micro, config=CONFIG, seq_len=12):
     mesh = Mesh4D(dp, pp, cp, tp)
     stage = Stage4D.from_dense(models.make_gpt(seed=0, **config).double(), mesh)
-    x, y = _data()
+    x, y = _data(seq_len)
     losses = [train_step(stage, mesh, x, y, LR, n_micro) for _ in range(STEPS)]
     return losses, {stage.dense_name(n): p.detach() for n, p in stage.named_parameters()}
+
+
+def _odd_lengths(rank, world_size):
+    """In one 8-rank launch: 11 tokens on a 2x2x1x2 mesh (cp = 1: any length splits), then on
+    the 1x2x2x2 mesh, whose refusal is kept."""
+    at_cp1 = _run_4d(rank, world_size, 2, 2, 1, 2, 2, seq_len=11)
+    try:
+        _run_4d(rank, world_size, 1, 2, 2, 2, 2, seq_len=11)
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    return at_cp1, refusal
 
 
 @pytest.mark.parametrize("dp,pp,cp,tp,n_micro,config", [
@@ -50,6 +63,10 @@ def test_dp_pp_cp_tp_equals_one_process(dp, pp, cp, tp, n_micro, config):
     dense, dense_losses = _dense(config)
     results = distlab.run(_run_4d, dp * pp * cp * tp, dp, pp, cp, tp, n_micro, config,
                           timeout=120)
+    _equal_dense(results, dense, dense_losses, tp, config)
+
+
+def _equal_dense(results, dense, dense_losses, tp, config=CONFIG):
     held = set()
     for rank, (losses, params) in enumerate(results):
         assert losses == pytest.approx(dense_losses, rel=1e-12)
@@ -80,6 +97,12 @@ def _shard(full, name, tp, t, config):
     return full
 
 
-def test_a_sequence_that_does_not_split_over_cp_is_refused():
-    with pytest.raises(distlab.RankFailed, match="does not split into 8 equal chunks"):
-        distlab.run(_run_4d, 4, 1, 1, 4, 1, 1)
+def test_odd_lengths_train_at_cp_1_and_are_refused_at_cp_2_with_what_to_do():
+    results = distlab.run(_odd_lengths, 8, timeout=120)
+    dense, dense_losses = _dense(seq_len=11)
+    _equal_dense([at_cp1 for at_cp1, _ in results], dense, dense_losses, tp=2)
+    for _, refusal in results:
+        assert refusal == ("a sequence of 11 tokens does not split into 4 equal chunks for the "
+                           "zig-zag layout (2 per rank); pad the sequence to a multiple of 4 "
+                           "(padding tokens masked out), or choose a context-parallel size that "
+                           "splits it: cp = 1 here.")

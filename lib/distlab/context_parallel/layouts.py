@@ -3,12 +3,21 @@ causal work each layout gives every rank."""
 import torch
 
 
-def _check_divides(seq_len, parts, layout):
+def _check_divides(seq_len, world_size, layout, per_rank=1):
+    parts = per_rank * world_size
     if seq_len % parts:
+        # the advice names real sizes: a cp that divides the length can still fail zig-zag
+        # (12 tokens on cp = 4 need 8 chunks), so offer the nearest sizes that split it
+        fits = [1] + [n for n in range(2, seq_len // per_rank + 1)    # one rank: any length
+                      if seq_len % (per_rank * n) == 0]
+        below = max((n for n in fits if n < world_size), default=None)
+        above = min((n for n in fits if n > world_size), default=None)
+        near = [n for n in (below, above) if n is not None]
         raise ValueError(
             f"a sequence of {seq_len} tokens does not split into {parts} equal chunks for the "
-            f"{layout} layout; pad the sequence to a multiple of {parts} (padding tokens masked "
-            f"out), or choose a context-parallel size that divides it.")
+            f"{layout} layout{f' ({per_rank} per rank)' if per_rank > 1 else ''}; pad the "
+            f"sequence to a multiple of {parts} (padding tokens masked out), or choose a "
+            f"context-parallel size that splits it: cp = {' or '.join(map(str, near))} here.")
 
 
 def contiguous_positions(seq_len, rank, world_size):
@@ -19,8 +28,11 @@ def contiguous_positions(seq_len, rank, world_size):
 
 
 def zigzag_positions(seq_len, rank, world_size):
-    """Rank r holds chunk r and chunk 2N−1−r of 2N: equal causal work on every rank."""
-    _check_divides(seq_len, 2 * world_size, "zig-zag")
+    """Rank r holds chunk r and chunk 2N−1−r of 2N: equal causal work on every rank. One rank
+    holds the whole sequence in order, whatever its length."""
+    if world_size == 1:
+        return torch.arange(seq_len)
+    _check_divides(seq_len, world_size, "zig-zag", per_rank=2)
     n = seq_len // (2 * world_size)
     first, second = rank, 2 * world_size - 1 - rank
     return torch.cat([torch.arange(first * n, (first + 1) * n),
