@@ -166,3 +166,26 @@ def test_an_all_to_all_across_nodes_goes_through_each_members_own_nics():
     assert link.seconds("all_to_all", size, 16) > 3 * link.bandwidth ** -1 * size * 15 / 16
     from distlab.expert_parallel import all_to_all_seconds
     assert all_to_all_seconds(size, 16, two) == link.seconds("all_to_all", size, 16)
+
+
+def test_a_group_split_unevenly_over_nodes_is_charged_for_the_members_each_node_holds():
+    """Issue 42 item 9: ranks 0-3 on node 0 and rank 8 on node 1 (4+1). NCCL's small-message
+    tree climbs a chain of 4 inside node 0 (not 5 // 2 = 2); a ring reaches the second node
+    through the one NIC its single member has; that member's all_to_all bytes for node 0 (4/5
+    of what it sends) leave through that NIC alone."""
+    two = hardware.PRESETS["h100-2x8"]
+    nvl, nic = hardware.NVLINK4, hardware.IB_NDR
+    uneven, even = two.link_between([0, 1, 2, 3, 8]), two.link_between([0, 1, 2, 3, 8, 9, 10, 11])
+    tiny = uneven.seconds("all_reduce", 8, 5)
+    assert tiny == pytest.approx(nic.latency + 2 * 3 * nvl.hop + 2 * nic.hop + 1.6 * 8 / 47e9)
+    assert uneven.bandwidth == 47e9 and even.bandwidth == 4 * 47e9
+    size = 1 << 30
+    assert uneven.seconds("all_to_all", size, 5) == pytest.approx(
+        nic.latency + nic.hop + size * 4 / 5 / 47e9)
+    # ring collectives: 5 - 1 steps, one across each way, the rest on NVLink
+    assert uneven.seconds("all_gather", 8, 5) == pytest.approx(
+        nic.latency + 3 * nvl.hop + nic.hop + 8 * 4 / 5 / 47e9)
+    # the same group in the other order, and 1+4, cost the same
+    assert two.link_between([8, 3, 2, 1, 0]).seconds("all_reduce", 8, 5) == tiny
+    assert two.link_between([0, 8, 9, 10, 11]).seconds("all_to_all", size, 5) == pytest.approx(
+        uneven.seconds("all_to_all", size, 5))

@@ -116,16 +116,30 @@ class Link:
 @dataclass(frozen=True)
 class GroupLink(Link):
     """What a group that spans nodes sees: NCCL's cross-node latency (intra steps on NVLink,
-    inter steps on the network) and min(intra-node busbw, k × NIC busbw), k members per node.
+    inter steps on the network) and min(intra-node busbw, k × NIC busbw), k the NICs that the
+    node with the fewest members can use (a ring crosses every node: its thinnest one sets
+    the rate). `members`: how many of the group's ranks each node holds — a 4+1 group's tree
+    climbs a chain of 4 inside node 0, whatever the average.
 
     An all_to_all is not a ring: each member's bytes for other nodes leave through the NICs its
-    node gives it (`member_nic`: k NICs shared by the node's members), its bytes for its own
-    node's members over NVLink (`intra_bandwidth`), both at once — the longer sets the time.
-    (DeepEP's kernels forward over NVLink to reach a NIC and get the same NIC rate.)"""
+    node gives it (`member_nics`: a node's NICs shared by its members), its bytes for its own
+    node's members over NVLink (`intra_bandwidth`), both at once — the longer sets the time,
+    on the slowest node. (DeepEP's kernels forward over NVLink to reach a NIC and get the same
+    NIC rate.) `member_nic`: one NIC rate for every node, where `member_nics` is not given."""
     nodes: int = 1
     intra_hop: float = 0.0
     intra_bandwidth: float = None
     member_nic: float = None
+    members: tuple = None
+    member_nics: tuple = None
+
+    def _members(self, world_size):
+        """The group's members on each node, and each node's NIC rate per member."""
+        if self.members is not None and sum(self.members) == world_size:
+            nics = self.member_nics or (self.member_nic,) * len(self.members)
+            return self.members, nics
+        # no record of the group (a link built by hand): its ranks spread evenly
+        return (max(1, world_size // self.nodes),) * self.nodes, (self.member_nic,) * self.nodes
 
     def seconds(self, op, nbytes, world_size):
         if op not in _TERM:
@@ -133,18 +147,20 @@ class GroupLink(Link):
         if op == "send" or world_size <= 1:
             return Link.seconds(self, op, nbytes, world_size)
         _, volume = TERMS[_TERM[op]](nbytes, world_size)
-        per_node = max(1, world_size // self.nodes)
-        if _TERM[op] == "all_to_all" and self.member_nic:
-            local = nbytes * (per_node - 1) / world_size
-            remote = nbytes * (world_size - per_node) / world_size
+        members, nics = self._members(world_size)
+        if _TERM[op] == "all_to_all" and all(nics):
+            intra = self.intra_bandwidth or self.bandwidth
             steps_out = self.nodes - 1
             # grouped sends to every peer at once (NCCL's all_to_all): no ring of steps inside
-            return (self.latency + steps_out * self.hop + max(local / (self.intra_bandwidth or self.bandwidth),
-                          remote / self.member_nic))
+            slowest = max(max(nbytes * (c - 1) / world_size / intra,
+                              nbytes * (world_size - c) / world_size / nic)
+                          for c, nic in zip(members, nics))
+            return self.latency + steps_out * self.hop + slowest
         if _TERM[op] == "ring_all_reduce":
             # NCCL's tree (low-latency protocol) for small all_reduces across nodes: up and down
-            # the chain inside each node, and log2(nodes) network hops each way.
-            steps_in, steps_out = 2 * (per_node - 1), 2 * math.ceil(math.log2(self.nodes))
+            # the chain inside each node (the longest one waits last), and log2(nodes) network
+            # hops each way.
+            steps_in, steps_out = 2 * (max(members) - 1), 2 * math.ceil(math.log2(self.nodes))
         else:
             steps_out = self.nodes - 1
             steps_in = max(0, TERMS[_TERM[op]](nbytes, world_size)[0] - steps_out)
@@ -242,21 +258,27 @@ class Cluster:
 
     def link_between(self, ranks):
         """The link a set of global ranks communicates over: the node's, or — across nodes —
-        NCCL's cross-node latency and min(intra busbw, k × NIC busbw), k members per node."""
+        NCCL's cross-node latency and min(intra busbw, k × NIC busbw), with the members that
+        each node actually holds (k: the NICs of the node with the fewest)."""
         ranks = list(ranks)
-        nodes = {r // self.ranks_per_node for r in ranks}
+        nodes = sorted({r // self.ranks_per_node for r in ranks})
         if self.inter is None or len(nodes) <= 1:
             return self.intra
         if self.nics_per_node is None:
             return self.inter          # the legacy model: one link's rate across nodes
-        per_node = max(sum(1 for r in ranks if r // self.ranks_per_node == n) for n in nodes)
-        k = min(per_node, self.nics_per_node)
+        members = tuple(sum(1 for r in ranks if r // self.ranks_per_node == n) for n in nodes)
+        k = min(min(members), self.nics_per_node)
+        shape = (f"× {members[0]}" if len(set(members)) == 1
+                 else f"of {'+'.join(map(str, members))} members")
         return GroupLink(
-            f"{len(nodes)} nodes × {per_node} ({k} NIC{'s' if k > 1 else ''} each)",
+            f"{len(nodes)} nodes {shape} ({k} NIC{'s' if k > 1 else ''} each)",
             min(self.intra.bandwidth, k * self.inter.bandwidth), self.inter.latency,
             self.inter.hop, self.inter.p2p_latency, None, None, self.inter.source,
             nodes=len(nodes), intra_hop=self.intra.hop, intra_bandwidth=self.intra.bandwidth,
-            member_nic=k * self.inter.bandwidth / per_node)
+            member_nic=min(min(c, self.nics_per_node) * self.inter.bandwidth / c for c in members),
+            members=members,
+            member_nics=tuple(min(c, self.nics_per_node) * self.inter.bandwidth / c
+                              for c in members))
 
     def ideal(self):
         """The same cluster at datasheet rates (no launch floor, GEMMs at peak, line rate)."""
