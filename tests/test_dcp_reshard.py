@@ -3,7 +3,8 @@ tp=2, loaded under three other layouts, every rank's shards of the model and of 
 equal bit for bit what the dense format gives; each rank reads only the chunks it needs; a
 background save (dcp.async_save) writes the state as it was when save returned; the files
 consolidate into one torch.save file the dense model loads; grouped-query attention's unequal q, k, v
-pieces reshard too. ONE launch of 4 ranks does it all."""
+pieces reshard too; saves started while a background save is still being written lose no
+checkpoint and never hang (issue 42). ONE launch of 4 ranks does it all."""
 import os
 
 import pytest
@@ -81,18 +82,19 @@ def reshard(rank, world_size, folder):
             got = checkpoint.load(checkpoint.latest(folder_), stage, mesh, adam)
             row[name] = (exact(stage, adam, model, moments), got["read_bytes"])
         out[shape] = row
-    return out, gqa_reshard(os.path.join(folder, "gqa"))
+    return out, gqa_reshard(os.path.join(folder, "gqa")), save_orders(os.path.join(folder, "orders"))
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("reshard"))
+    # the timeout is what stands between a save order that deadlocks and a hung suite
     results = distlab.run(reshard, 4, folder, timeout=240)
-    return folder, [r[0] for r in results], [r[1] for r in results]
+    return folder, [r[0] for r in results], [r[1] for r in results], [r[2] for r in results]
 
 
 def test_every_layout_loads_the_sharded_save_bit_for_bit_as_the_dense_one(run):
-    _, results, _ = run
+    _, results, _, _ = run
     for rank, rows in enumerate(results):
         for shape, row in rows.items():
             for name, (verdict, _) in row.items():
@@ -100,7 +102,7 @@ def test_every_layout_loads_the_sharded_save_bit_for_bit_as_the_dense_one(run):
 
 
 def test_each_rank_reads_only_the_chunks_its_new_shard_overlaps(run):
-    _, results, _ = run
+    _, results, _, _ = run
     for rows in results:
         for (dp, pp, tp), row in rows.items():
             sharded, dense = row["sharded"][1], row["dense"][1]
@@ -114,7 +116,7 @@ def test_each_rank_reads_only_the_chunks_its_new_shard_overlaps(run):
 
 
 def test_both_formats_hold_the_same_dense_tensors_and_consolidate_for_inference(run, tmp_path):
-    folder, _, _ = run
+    folder, _, _, _ = run
     sharded, dense = (checkpoint.read(os.path.join(folder, f)) for f in ("sharded", "dense"))
     assert sharded["layout"] == SAVED and dense["layout"] is None
     for part in ("model", "optim"):
@@ -131,7 +133,7 @@ def test_both_formats_hold_the_same_dense_tensors_and_consolidate_for_inference(
 
 
 def test_a_tp_the_heads_cannot_take_is_refused_in_one_sentence(run):
-    folder, _, _ = run
+    folder, _, _, _ = run
     path = checkpoint.latest(os.path.join(folder, "sharded"))
     assert checkpoint.reshard_problem(path, 2, 4) is None
     assert checkpoint.reshard_problem(path, 4, 4) is None
@@ -189,7 +191,7 @@ def gqa_reshard(folder):
 
 
 def test_grouped_query_attention_checkpoints_reshard_with_its_unequal_pieces(run):
-    folder, _, results = run
+    folder, _, results, _ = run
     for rank, rows in enumerate(results):
         for key, verdict in rows.items():
             assert verdict in ("exact", True), (rank, key, verdict)
@@ -227,3 +229,97 @@ def test_a_gqa_head_too_narrow_to_split_or_a_piece_tp_cannot_divide_is_refused(t
     assert checkpoint.reshard_problem(path, 4, 4) == (
         f"{path}: blocks.0.attn.qkv.weight.k has 2 rows, which 4 tensor-parallel ranks cannot "
         f"share evenly; choose a tp that divides 2.")
+
+
+# ---- saves started while a background save is still being written (issue 42) ----------------------
+
+def save_orders(folder):
+    """Each order of saves that lost both checkpoints or hung, in a folder of its own; what every
+    rank saw (paths returned, sentences raised). Runs in reshard's launch, under its timeout."""
+    _, _, mesh, stage, adam = build(*SAVED)
+    out = {}
+
+    def save(sub, step, **kw):
+        return checkpoint.save(os.path.join(folder, sub), step, stage, mesh, adam, {}, **kw)
+
+    def said(call):
+        try:
+            return call()
+        except (ValueError, TypeError) as e:
+            return f"{type(e).__name__}: {e}"
+
+    # a background save of step 5 still being written, a plain save of step 6, then 5's wait()
+    pending = save("newer", 5, background=True)
+    out["newer"] = [save("newer", 6), pending.wait()]
+    # the same with the steps the other way round: the pending save is the newer one
+    pending = save("older", 8, background=True)
+    out["older"] = [said(lambda: save("older", 7)), pending.wait()]
+    # two background saves before any wait() (both threads used to share one group: deadlock)
+    first = save("two", 10, background=True)
+    second = save("two", 11, background=True)
+    out["two"] = [second.wait(), first.wait()]
+    # a commit of an older step after a newer one (as the pending save's wait() used to do)
+    out["commit older"] = said(lambda: checkpoint._commit(os.path.join(folder, "newer"),
+                                                          "step-000005"))
+    # the same step saved three times: each save's folder orders after the last one's
+    out["again"] = [os.path.basename(save("again", 3)) for _ in range(3)]
+    # a folder that cannot be made: rank 0 finds out, every rank says so (no rank left waiting)
+    with open(os.path.join(folder, "a-file"), "w"):
+        pass
+    out["under a file"] = said(lambda: save(os.path.join("a-file", "ckpt"), 1))
+    return out
+
+
+def on_disk(folder):
+    """(the names in `folder`, what latest names, whether that checkpoint is whole)."""
+    name = open(os.path.join(folder, "latest")).read()
+    return sorted(os.listdir(folder)), name, checkpoint.damage(os.path.join(folder, name)) is None
+
+
+def test_a_save_while_a_background_save_is_pending_keeps_the_newest_checkpoint(run):
+    """The plain save first finishes the pending one (one save at a time, as torchtitan's
+    CheckpointManager does); a commit never removes a step folder that is not older than its
+    own, and latest never moves back to an older step."""
+    folder, _, _, results = run
+    orders = os.path.join(folder, "orders")
+    for rank, got in enumerate(results):
+        assert got["newer"] == [f"{orders}/newer/step-000006", f"{orders}/newer/step-000005"], rank
+    assert on_disk(f"{orders}/newer") == (["latest", "step-000006"], "step-000006", True)
+    refused = (f"ValueError: {orders}/older/latest already names step 8, newer than step 7: save "
+               f"a step of at least 8, or into another folder.")
+    for rank, got in enumerate(results):
+        assert got["older"] == [refused, f"{orders}/older/step-000008"], rank
+    assert on_disk(f"{orders}/older") == (["latest", "step-000008"], "step-000008", True)
+    # what the pending save's wait() used to do: commit step 5 after step 6 had been committed
+    for rank, got in enumerate(results):
+        assert got["commit older"] == (
+            f"ValueError: {orders}/newer/latest already names step-000006, newer than step-000005, "
+            f"so step-000005 does not replace it: finish each save (wait()) before starting the "
+            f"next."), rank
+    assert on_disk(f"{orders}/newer") == (["latest", "step-000006"], "step-000006", True)
+
+
+def test_each_save_of_the_same_step_orders_after_the_last_one(run):
+    """step-3, then step-3.1 (removing step-3), then step-3.2: not step-3 again, which a commit
+    would take for older than step-3.1."""
+    folder, _, _, results = run
+    for rank, got in enumerate(results):
+        assert got["again"] == ["step-000003", "step-000003.1", "step-000003.2"], rank
+    again = os.path.join(folder, "orders", "again")
+    assert on_disk(again) == (["latest", "step-000003.2"], "step-000003.2", True)
+
+
+def test_a_second_background_save_waits_for_the_first_instead_of_hanging(run):
+    folder, _, _, results = run
+    two = os.path.join(folder, "orders", "two")
+    for rank, got in enumerate(results):
+        assert got["two"] == [f"{two}/step-000011", f"{two}/step-000010"], rank
+    assert on_disk(two) == (["latest", "step-000011"], "step-000011", True)
+
+
+def test_a_checkpoint_folder_rank_0_cannot_make_is_one_sentence_on_every_rank(run):
+    folder, _, _, results = run
+    bad = os.path.join(folder, "orders", "a-file", "ckpt")
+    for rank, got in enumerate(results):
+        assert got["under a file"] == (f"ValueError: {bad} cannot hold checkpoints (Not a "
+                                       f"directory): save into a folder you can write to."), rank

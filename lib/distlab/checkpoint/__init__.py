@@ -26,13 +26,15 @@ position, the model's configuration), and in the sharded format "layout" (the dp
 wrote it).
 
 Each save goes to a folder NO save has used before: <folder>/step-<n>, or step-<n>.1, .2, ...
-when that name is taken (a re-run saving the step `latest` already points at must not rewrite
-the files of the only good checkpoint in place). Only when every rank has finished writing does
-rank 0 point <folder>/latest at it (write a small file, then atomic rename), and only then are
-the older and the unfinished step folders removed. A run killed in the middle of a save resumes
-from the previous checkpoint, never from half of one. `save(..., background=True)` returns as
-soon as the state is staged (copied) and writes it with dcp.async_save in a thread; its
-`wait()` — called before the next save and at the end of the run — is where `latest` switches.
+after the saves of step n before it (a re-run saving the step `latest` already points at must
+not rewrite the files of the only good checkpoint in place). Only when every rank has finished
+writing does rank 0 point <folder>/latest at it (write a small file, then atomic rename), and
+only then are the step folders OLDER than it removed: a newer one may still be being written.
+A run killed in the middle of a save resumes from the previous checkpoint, never from half of
+one; latest never moves back to an older step (such a save is refused in a sentence).
+`save(..., background=True)` returns as soon as the state is staged (copied) and writes it with
+dcp.async_save in a thread; its `wait()` is where `latest` switches. One save at a time: the
+next save() finishes a pending one first, so two saves never run their collectives at once.
 """
 # One module per idea; the names below keep `distlab.checkpoint.<name>` working.
 from .folder import BrokenCheckpoint, damage, latest, _commit, _fresh_name, _reader

@@ -91,37 +91,91 @@ def _unreadable(path, error):
 
 
 def _commit(folder, name):
-    """Collective: once every rank's files are whole, point latest at `name`, remove the rest."""
+    """Collective: once every rank's files are whole, point latest at `name` and remove the step
+    folders older than it; returns its path. Refused on every rank, touching nothing, when
+    latest already names a newer one (that checkpoint is the one to keep)."""
     dist.barrier()                              # every rank's file is whole ...
+    newer = torch.tensor([-1, 0])               # (step, k) of a newer checkpoint, if latest names one
     if dist.get_rank() == 0:                    # ... before the checkpoint counts
-        _point_latest_at(folder, name)
-        for old in os.listdir(folder):          # the newest complete checkpoint is enough
-            if _STEP_FOLDER.fullmatch(old) and old != name:
+        names = os.listdir(folder)
+        current = _named_by_latest(folder)
+        if current is not None and _order(current) > _order(name):
+            newer[:] = torch.tensor(_order(current))
+        else:
+            _point_latest_at(folder, name)
+            for old in _older(names, name):     # the newest complete checkpoint is enough
                 shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
-    dist.barrier()
+    dist.broadcast(newer, 0)                    # also the barrier: rank 0 has finished
+    if newer[0] >= 0:
+        current = _name(int(newer[0]), int(newer[1]))
+        raise ValueError(f"{folder}/latest already names {current}, newer than {name}, so {name} "
+                         f"does not replace it: finish each save (wait()) before starting the "
+                         f"next.")
     return os.path.join(folder, name)
 
 
 # The folders save() writes; nothing else in the folder is ever removed.
-_STEP_FOLDER = re.compile(r"step-\d{6,}(\.\d+)?")
+_STEP_FOLDER = re.compile(r"step-(\d{6,})(?:\.(\d+))?")
+
+
+def _name(step, k=0):
+    return f"step-{step:06d}" + (f".{k}" if k else "")
+
+
+def _order(name):
+    """(step, k) of step-<n>[.k]: the order in which saves of a folder began (k counts the saves
+    of the same step, each after the last)."""
+    m = _STEP_FOLDER.fullmatch(name)
+    return int(m[1]), int(m[2] or 0)
+
+
+def _older(names, name):
+    """The step folders among `names` that a commit of `name` makes useless: only those older than
+    it. A newer one may be a save still being written (in a thread of this run, or by another)."""
+    return sorted(n for n in names if _STEP_FOLDER.fullmatch(n) and _order(n) < _order(name))
+
+
+def _named_by_latest(folder):
+    """The step folder <folder>/latest names, or None (no pointer, or not a name save() writes)."""
+    try:
+        with open(os.path.join(folder, "latest")) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    return name if _STEP_FOLDER.fullmatch(name) else None
 
 
 def _fresh_name(folder, step):
-    """Collective: a step folder name no save used before, the same on every rank.
+    """Collective: a step folder name no save used before and later than every other save of
+    `step` in `folder`, the same on every rank; or the ValueError every rank raises.
 
     Rank 0 chooses (the ranks of a multi-node job may see the shared folder a little apart) and
-    sends the number: 0 for step-<n>, k for step-<n>.k.
+    sends (k, errno, newer step): k for step-<n>.k, or why no save of `step` may go there.
     """
-    def name(k):
-        return f"step-{step:06d}" + (f".{k}" if k else "")
-    k = 0
+    chosen = torch.tensor([0, 0, -1])
     if dist.get_rank() == 0:
-        os.makedirs(folder, exist_ok=True)
-        while os.path.exists(os.path.join(folder, name(k))):
-            k += 1
-    chosen = torch.tensor([k])
+        try:
+            os.makedirs(folder, exist_ok=True)
+            names = os.listdir(folder)
+        except OSError as e:
+            chosen[1] = e.errno or -1
+        else:
+            current = _named_by_latest(folder)
+            if current is not None and _order(current)[0] > step:
+                chosen[2] = _order(current)[0]
+            same = [_order(n)[1] for n in names if _STEP_FOLDER.fullmatch(n)
+                    and _order(n)[0] == step]
+            chosen[0] = max(same) + 1 if same else 0
     dist.broadcast(chosen, 0)                   # a CPU tensor: gloo, also beside nccl
-    return name(int(chosen))
+    k, errno, newer = (int(x) for x in chosen)
+    if errno:
+        why = os.strerror(errno) if errno > 0 else "an error"
+        raise ValueError(f"{folder} cannot hold checkpoints ({why}): save into a folder you can "
+                         f"write to.")
+    if newer >= 0:
+        raise ValueError(f"{folder}/latest already names step {newer}, newer than step {step}: "
+                         f"save a step of at least {newer}, or into another folder.")
+    return _name(step, k)
 
 
 def _point_latest_at(folder, name):
