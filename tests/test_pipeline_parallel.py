@@ -552,7 +552,7 @@ def test_every_stage_sends_to_and_receives_from_its_neighbours(p, monkeypatch):
     """A wrong neighbour would make the real run hang; recorded here, it fails in a second.
     An odd and an even number of stages (the real runs above go to 5 and 6)."""
     x, y = regression_data(2 * p, SIZES[0], SIZES[-1], seed=1)
-    monkeypatch.setattr(pp, "_common_clock", lambda group: 0.0)
+    monkeypatch.setattr(pp.stage, "_common_clock", lambda group: 0.0)
     for name in list(ps.SCHEDULES) + list(ps.V_SCHEDULES):
         m = 2 * p if name in ps.V_SCHEDULES else p
         schedule = (ps.V_SCHEDULES.get(name) or ps.SCHEDULES[name])(p, m)

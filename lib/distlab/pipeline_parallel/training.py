@@ -1,0 +1,81 @@
+"""Training a model pipelined: `train` runs a schedule for several SGD steps; DualPipe's two
+copies of every piece have their gradients summed by `sum_dual_copies`."""
+import torch
+import torch.distributed as dist
+
+from ..devices import device
+from ..pipeline_schedules import n_pieces, placement_of
+from .stage import PipelineStage, split_model
+
+
+def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, v=1,
+          loss_fn=None, lr=0.05, prefix="net.", dtype=torch.float32):
+    """Train `model.net` pipelined with `schedule(p, m)` for len(batches) SGD steps (where the
+    chunks sit, the schedule says: a ps.Schedule's placement, else "loop"). In the dual placement
+    (DualPipe) the model is cut into p pieces, each held by two stages: before the step the two
+    copies' gradients are summed (`sum_dual_copies`), and the loss is the sum of the two ends'.
+
+    Returns, per step, this rank's loss (last stage, else None), gradients and parameters after
+    the step by full-model name, and the timeline; for tests and the notebook.
+    """
+    import torch.nn.functional as F
+    loss_fn = loss_fn or F.mse_loss
+    model = model.to(device=device(), dtype=dtype)
+    schedule = schedule(world_size, n_microbatches)
+    placement = placement_of(schedule)
+    dual = placement == "dual"
+    stage = PipelineStage(split_model(model.net, n_pieces(world_size, v, placement)), rank,
+                          world_size, in_shape, dtype, placement=placement)
+    actions = schedule[rank]
+    named = [(f"{prefix}{n}", p) for c in sorted(stage.chunks)
+             for n, p in stage.chunks[c].named_parameters()]
+    out = []
+    for x, y in batches:
+        for p in stage.parameters():
+            p.grad = None
+        x, y = x.to(device(), dtype), y.to(device(), dtype)
+        loss = stage.step(actions, x, y, n_microbatches, loss_fn)
+        if dual:
+            loss = sum_dual_copies(stage, loss)
+        grads = {n: p.grad.clone() for n, p in named}
+        with torch.no_grad():
+            # Plain SGD, as torch.optim.SGD computes it; each stage updates only its own layers.
+            # (Building a torch.optim optimizer imports torch._dynamo: seconds in a fresh rank.)
+            for p in stage.parameters():
+                p.add_(p.grad, alpha=-lr)
+        out.append(dict(loss=None if loss is None else loss.item(), grads=grads,
+                        params={n: p.detach().clone() for n, p in named},
+                        timeline=stage.timeline, peak_bytes=stage.peak_activation_bytes,
+                        peak_in_flight=stage.peak_in_flight))
+    return out
+
+
+def sum_dual_copies(stage, loss=None):
+    """DualPipe holds every piece twice: stage r's chunk 0 and stage p - 1 - r's chunk 1 are
+    the same layers, each with the gradient of the micro-batches that crossed it. Swap them with
+    the partner stage and add, so both copies hold the whole gradient (and take the same step);
+    the two ends' partial losses are summed the same way. Returns the loss on stages 0 and
+    p - 1, else None."""
+    partner = stage.p - 1 - stage.rank
+    peer = dist.get_global_rank(stage.group, partner) if stage.group else partner
+    mine = [q.grad if q.grad is not None else torch.zeros_like(q)
+            for c in (0, 1) for q in stage.chunks[c].parameters()]
+    ends = stage.rank in (0, stage.p - 1)
+    if ends:
+        mine.append(torch.zeros((), dtype=stage.dtype) if loss is None else loss.detach())
+    flat = torch.cat([g.reshape(-1) for g in mine])
+    theirs = torch.empty_like(flat)
+    send = dist.isend(flat, dst=peer, group=stage.group)
+    dist.recv(theirs, src=peer, group=stage.group)
+    send.wait()
+    sizes = [g.numel() for g in mine]
+    ours = sum(q.numel() for q in stage.chunks[0].parameters())    # our chunk 0's numbers
+    both = flat.numel() - ends
+    # our chunk 0 is the partner's chunk 1 and vice versa: its two parts, swapped
+    theirs = torch.cat([theirs[both - ours:both], theirs[:both - ours], theirs[both:]])
+    for g, t in zip(mine, theirs.split(sizes)):
+        g.add_(t.view_as(g))
+    params = [q for c in (0, 1) for q in stage.chunks[c].parameters()]
+    for q, g in zip(params, mine):
+        q.grad = g
+    return mine[-1] if ends else None
