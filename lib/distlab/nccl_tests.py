@@ -10,6 +10,7 @@ Kept apart from distlab.cost (the α-β model) and distlab.hardware (the calibra
 it joins: neither needs the other.
 """
 import math
+import re
 from dataclasses import dataclass, replace
 
 from . import hardware
@@ -24,12 +25,16 @@ _NCCL_TESTS = {"all_reduce": "ring_all_reduce", "all_gather": "ring_all_gather",
 @dataclass
 class NcclTestsLog:
     """What `read_nccl_tests` found: one row per size (out-of-place and in-place time in
-    seconds, algbw and busbw in bytes/s), the ranks, nodes (distinct host names) and GPU name."""
+    seconds, algbw and busbw in bytes/s), the ranks, nodes (distinct host names) and GPU name;
+    `form` is the table's leading columns as the log printed them (the header differs between
+    versions of nccl-tests: ("size", "count", "type", "redop", "root") today, no "root" before
+    2.10, no "redop" at all in older all_gather_perf)."""
     collective: str
     world_size: int
     nodes: int
     gpu: str
     rows: list
+    form: tuple = ()
 
     @property
     def measurements(self):
@@ -40,11 +45,39 @@ class NcclTestsLog:
                 for r in self.rows if r["size"] > 0]
 
 
+# mpirun's rank tags: "[0]" (MPICH, Intel MPI; also in mid-line where two ranks' output met)
+# and Open MPI's --tag-output "[1,0]<stdout>:". Bus ids ("[0x1a]", "[0000:02:00]") do not match.
+_TAG = re.compile(r"\[\d+(?:,\d+)*\](?:<std(?:out|err)>:)?")
+_LEAD = ("size", "count", "type", "redop", "root")
+
+
 def _number(token):
     try:
-        return float(token)
+        x = float(token)
     except ValueError:
         return None
+    return x if math.isfinite(x) else None
+
+
+def _lead(words):
+    """How many columns come before the time: size, count, type, then "redop" where the row has
+    a word there, then "root" where the numbers after it are one more than whole halves of
+    (time, algbw, busbw, error)."""
+    lead = 3 + (_number(words[3]) is None)
+    return lead + ((len(words) - lead) % 4 == 1)
+
+
+def _row(words, lead):
+    times = [_number(w) for w in words[lead:lead + 8]]
+    if len(times) < 3 or None in times[:3] or times[0] <= 0:
+        return None
+    in_place = len(times) >= 7 and None not in times[4:7] and times[4] > 0
+    return dict(size=int(words[0]), count=int(words[1]), type=words[2],
+                redop=words[3] if lead > 3 else None,
+                time=times[0] * 1e-6, algbw=times[1] * 1e9, busbw=times[2] * 1e9,
+                time_in_place=times[4] * 1e-6 if in_place else None,
+                algbw_in_place=times[5] * 1e9 if in_place else None,
+                busbw_in_place=times[6] * 1e9 if in_place else None)
 
 
 def read_nccl_tests(text, collective="all_reduce", world_size=None):
@@ -54,49 +87,47 @@ def read_nccl_tests(text, collective="all_reduce", world_size=None):
         size  count  type  redop  root  time  algbw  busbw  #wrong  time  algbw  busbw  #wrong
 
     (out-of-place, then in-place; older versions have no `root` column and print an `error`
-    column instead of `#wrong`), times in µs and bandwidths in GB/s as nccl-tests prints them.
+    column instead of `#wrong`, older all_gather_perf no `redop` either), times in µs and
+    bandwidths in GB/s as nccl-tests prints them, with or without mpirun's rank tags.
     The ranks are counted from the "#  Rank ... on HOST device ..." lines (or pass world_size).
     """
     if collective not in _NCCL_TESTS:
         raise ValueError(f"collective must be one of {sorted(_NCCL_TESTS)}; got {collective!r}.")
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
     if not isinstance(text, str) or not text.strip():
-        raise ValueError("read_nccl_tests needs the text nccl-tests printed; got nothing.")
-    ranks, hosts, gpu, rows = set(), set(), "", []
+        raise ValueError("read_nccl_tests needs the text nccl-tests printed (a str); got "
+                         f"{'nothing' if not text else type(text).__name__}.")
+    ranks, hosts, gpu, rows, form = set(), set(), "", [], ()
     for raw in text.splitlines():
-        line = raw.strip()
-        while line.startswith("[") and "]" in line[:8]:       # mpirun's "[0]" tags
-            line = line[line.index("]") + 1:].strip()
+        line = _TAG.sub(" ", raw).strip()
         if line.startswith("#"):
             words = line.lstrip("#").split()
-            if len(words) > 1 and words[0] == "Rank" and "on" in words and "device" in words:
+            if len(words) > 1 and words[0] == "Rank" and "on" in words and "device" in words \
+                    and words.index("on") + 1 < len(words):
                 ranks.add((words[1], words[words.index("on") + 1]))
                 hosts.add(words[words.index("on") + 1])
                 if "]" in line:
                     gpu = line[line.rindex("]") + 1:].strip() or gpu
+            elif words[:2] == ["size", "count"] and "time" in words:
+                form = tuple(words[:words.index("time")])
             continue
         words = line.split()
-        if len(words) < 8 or not words[0].isdigit() or not words[1].isdigit():
+        if len(words) < 7 or not all(w.isascii() and w.isdigit() for w in words[:2]):
             continue
-        rest = words[4:]                       # after size, count, type, redop
-        if len(rest) >= 9:
-            rest = rest[1:]                    # the root column (-1 for all_reduce)
-        times = [_number(w) for w in rest[:8]]
-        if len(times) < 3 or times[0] is None or times[0] <= 0:
-            continue
-        in_place = times[4] if len(times) >= 8 and times[4] is not None and times[4] > 0 else None
-        rows.append(dict(size=int(words[0]), count=int(words[1]), type=words[2], redop=words[3],
-                         time=times[0] * 1e-6, algbw=times[1] * 1e9, busbw=times[2] * 1e9,
-                         time_in_place=None if in_place is None else in_place * 1e-6,
-                         algbw_in_place=None if in_place is None else times[5] * 1e9,
-                         busbw_in_place=None if in_place is None else times[6] * 1e9))
+        lead = len(form) if form[:3] == _LEAD[:3] and set(form) <= set(_LEAD) else _lead(words)
+        row = _row(words, lead)
+        if row is not None:
+            rows.append(row)
+            form = form or _LEAD[:lead]
     if not rows:
-        raise ValueError("no nccl-tests table found: expected lines of 'size count type redop "
+        raise ValueError("no nccl-tests table found: expected lines of 'size count type [redop] "
                          "[root] time algbw busbw #wrong time algbw busbw #wrong'.")
     n = world_size or len(ranks)
     if not n:
         raise ValueError("the log lists no '#  Rank N ... on HOST device ...' lines: pass "
                          "world_size= (the number of GPUs the test ran on).")
-    return NcclTestsLog(collective, n, max(1, len(hosts)), gpu, rows)
+    return NcclTestsLog(collective, n, max(1, len(hosts)), gpu, rows, form)
 
 
 def _platform(log, device=None):
@@ -124,6 +155,9 @@ def nccl_tests_cluster(log, device=None, name=None):
     (fit(..., latency="floor") on every size), on the log's GPU (or `device`)."""
     if isinstance(log, str):
         log = read_nccl_tests(log)
+    if log.world_size < 2:
+        raise ValueError("a one-GPU nccl-tests log measures no link (nothing leaves the GPU): "
+                         "run it on two GPUs or more to fit a cluster.")
     link = fit(log.measurements, name or "your cluster", latency="floor")
     platform = _platform(log, device)
     label = name or f"your cluster ({log.world_size} × {log.gpu or platform.device.name})"
@@ -154,6 +188,14 @@ def busbw_table(log, device=None):
     if isinstance(log, str):
         log = read_nccl_tests(log)
     platform = _platform(log, device)
+    if log.world_size == 1:
+        # One rank sends nothing: busbw is 0 by definition and no link has a time to predict.
+        head = [f"{log.collective} on 1 × {log.gpu or platform.device.name} vs {platform.name}"
+                f" — one GPU: no link, busbw 0 by definition",
+                f"{'size':>12} {'your busbw':>11} {'expected':>9}",
+                f"{'(B)':>12} {'(GB/s)':>11} {'(GB/s)':>9}"]
+        return "\n".join(head + [f"{r['size']:>12} {r['busbw'] / 1e9:>11.2f} {'—':>9}"
+                                  for r in log.rows if r["size"] > 0])
     if log.nodes > 1:
         per_node = max(1, log.world_size // log.nodes)
         platform = replace(platform, ranks_per_node=per_node, nics_per_node=per_node)
@@ -169,7 +211,8 @@ def busbw_table(log, device=None):
         volume = terms(term, r["size"], log.world_size)[1]
         # from the times: the printed busbw has two decimals, nothing for small sizes
         yours = volume / min(t for t in (r["time"], r["time_in_place"]) if t is not None)
-        expected = volume / predict(term, r["size"], log.world_size, link)
+        model = predict(term, r["size"], log.world_size, link)
+        expected = volume / model if model > 0 else 0.0
         ratio = f"{yours / expected:6.2f}" if expected > 0 else f"{'':>6}"
         lines.append(f"{r['size']:>12} {yours / 1e9:>11.2f} {expected / 1e9:>9.2f} {ratio}")
     return "\n".join(lines)
