@@ -322,6 +322,9 @@ def _bad_calls():
         (lambda: md.smallest_device(ev, step=0), ValueError,
          "step is 0 bytes: give the capacity's granularity in bytes, more than 0 (the default "
          "is 2 MiB)."),
+        (lambda: md.smallest_device(ev, step=-2 * MiB), ValueError,       # before: a hang
+         "step is -2097152 bytes: give the capacity's granularity in bytes, more than 0 (the "
+         "default is 2 MiB)."),
         (lambda: md.live_total(ev, start=-1), ValueError,
          "start is -1: a size in bytes cannot be negative; pass the tensor's nbytes (0 or "
          "more)."),
