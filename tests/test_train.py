@@ -175,6 +175,11 @@ def test_a_resume_with_another_optimizer_seed_or_batch_is_refused_in_one_sentenc
     (["--dp", "3"], "--batch 8 does not split into --dp 3 x --micro 2 equal micro-batches"),
     (["--pp", "5"], "--pp 5 needs at least 5 blocks (one per stage); got --layers 4"),
     (["--tp", "3"], "--tp 3 does not divide the model's 2 attention heads"),
+    # how to save, but not where: the run used to write nothing, silently
+    (["--save-every", "2"], "--save-every 2 needs a checkpoint folder: add --ckpt DIR, or drop "
+                            "it"),
+    (["--async-save", "--dense-ckpt"], "--async-save and --dense-ckpt need a checkpoint folder: "
+                                       "add --ckpt DIR, or drop them"),
 ])
 def test_nonsense_options_are_refused_in_one_argparse_sentence(options, error, capsys):
     with pytest.raises(SystemExit) as e:

@@ -118,6 +118,14 @@ def parse(argv=None):
                  f"--layers {args.layers}")
     if CONFIG["n_heads"] % args.tp:
         ap.error(f"--tp {args.tp} does not divide the model's {CONFIG['n_heads']} attention heads")
+    # How to save without where: every rank would train and write nothing, silently.
+    how = [f"--save-every {args.save_every}"] * bool(args.save_every) \
+        + ["--async-save"] * args.async_save + ["--dense-ckpt"] * args.dense_ckpt
+    if how and not args.ckpt:
+        named = " and ".join([", ".join(how[:-1]), how[-1]] if len(how) > 1 else how)
+        one = len(how) == 1
+        ap.error(f"{named} need{'s' * one} a checkpoint folder: add --ckpt DIR, or drop "
+                 f"{'it' if one else 'them'}")
     return args
 
 
