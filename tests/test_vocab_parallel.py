@@ -2,7 +2,8 @@
 tp = 2 and 3: the loss and the gradients of the embedding, the head (untied and tied) and the
 hidden states, with and without sequence parallelism, for vocabularies that divide by tp and
 vocabularies that are padded; the loss survives logits near 1000, never gathers the logits, and
-equals torch's loss_parallel. One launch per world size."""
+equals torch's loss_parallel; padding labels are ignored as F.cross_entropy ignores them, and
+targets outside the vocabulary are refused. One launch per world size."""
 import pytest
 import torch
 import torch.nn as nn
@@ -121,13 +122,67 @@ def _case(rank, ws):
         dtensor_loss.backward()
     close("loss_parallel: loss", dtensor_loss.full_tensor(), our_loss)
     close("loss_parallel: logit-shard grad", theirs.grad, ours.grad)
+    checked += _ignored_and_refused(ws)
+    return checked
+
+
+def _ignored_and_refused(ws):
+    """Padding labels (-100, or another ignore_index) are skipped as F.cross_entropy skips them:
+    per token, mean over the rest, sum; an all-ignored batch as torch gives it (mean NaN, sum 0,
+    gradient zero). A vocabulary tp divides and one it does not (padded). Then targets outside
+    the vocabulary, and float targets, are refused in a sentence."""
+    checked = []
+    g = torch.Generator().manual_seed(11)
+    for vocab in (3 * ws, 3 * ws + 1):
+        first, stop = vp.vocab_range(vocab, None)
+        pad = vp.padded_vocab_size(vocab, ws) - vocab
+        full = 3 * torch.randn(9, vocab, generator=g, dtype=F64)
+        target = torch.randint(0, vocab, (9,), generator=g)
+        target[[1, 4, 5]] = -100
+        in_vocab = torch.where(target < 0, vocab - 1, target)      # ignore_index a real id
+        for ignore_index, labels in ((-100, target), (vocab - 1, in_vocab),
+                                     (-100, torch.full((9,), -100))):
+            for reduction in ("none", "mean", "sum"):
+                label = f"V={vocab} ignore_index={ignore_index} {reduction}"
+                dense = full.clone().requires_grad_()
+                want = F.cross_entropy(dense, labels, ignore_index=ignore_index,
+                                       reduction=reduction)
+                shard = F.pad(full, (0, pad))[:, first:stop].clone().requires_grad_()
+                got = vp.vocab_parallel_cross_entropy(shard, labels, vocab,
+                                                      ignore_index=ignore_index,
+                                                      reduction=reduction)
+                weights = torch.linspace(0.5, 2, want.numel(), dtype=F64).view_as(want)
+                (want * weights).sum().backward()
+                (got * weights).sum().backward()
+                if want.isnan().all():                    # torch: the mean over no token
+                    assert got.isnan().all(), label
+                else:
+                    close(f"{label}: loss", got, want)
+                close(f"{label}: logit-shard grad", shard.grad,
+                      F.pad(dense.grad, (0, pad))[:, first:stop])
+                checked.append(label)
+    refusals = []
+    logits = torch.zeros(3, 2, dtype=F64)
+    for labels in (torch.tensor([0, 2 * ws, 1]), torch.tensor([0, -1, 1]),
+                   torch.tensor([0.0, 1.0, 1.0])):
+        try:
+            vp.vocab_parallel_cross_entropy(logits, labels, 2 * ws)
+        except (ValueError, TypeError) as e:
+            refusals.append(str(e))
+    assert refusals == [
+        f"target {2 * ws} (row 1) is not a token id of the vocabulary [0, {2 * ws}): labels "
+        f"must lie in it, or equal ignore_index (-100) for tokens the loss skips.",
+        f"target -1 (row 1) is not a token id of the vocabulary [0, {2 * ws}): labels must lie "
+        f"in it, or equal ignore_index (-100) for tokens the loss skips.",
+        "target must hold integer token ids (torch.long), not torch.float32: pass the labels "
+        "as token ids."], refusals
     return checked
 
 
 @pytest.mark.parametrize("ws", [2, 3])
 def test_vocab_parallel_embedding_head_and_loss_equal_dense(ws):
     results = distlab.run(_case, ws, timeout=120)
-    assert all(len(r) == 4 for r in results) and results[0] == results[-1]
+    assert all(len(r) == 4 + 18 for r in results) and results[0] == results[-1]
 
 
 def test_padding_and_refusals():

@@ -174,11 +174,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     Forward: two all-reduces of per-token numbers — the max (so that exp cannot overflow) and
     then, in one message, the sum of exp(z − max) and the target's shifted logit (which one rank
     holds, the others add 0). Backward needs no communication: d loss / d z_v = softmax_v − [v =
-    target], and each rank has the softmax of its own columns from forward.
+    target], and each rank has the softmax of its own columns from forward. Ignored tokens
+    (padding labels) cost 0 and get no gradient, as F.cross_entropy's do.
     """
 
     @staticmethod
-    def forward(ctx, logits_shard, target, vocab_size, group):
+    def forward(ctx, logits_shard, target, vocab_size, group, ignored):
         width = logits_shard.shape[-1]
         first = dist.get_rank(group) * width
         # float32 at least: a bf16 sum of 128k exps loses the small ones
@@ -189,7 +190,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         _record("all_reduce", "forward", peak)                   # tp_comm.count_comm sees it
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         z = z - peak.unsqueeze(-1)
-        mine = (target >= first) & (target < first + width)
+        mine = (target >= first) & (target < first + width) & ~ignored
         column = torch.where(mine, target - first, torch.zeros_like(target))
         target_z = z.gather(-1, column.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         exp_z = z.exp()
@@ -197,32 +198,67 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         _record("all_reduce", "forward", both)
         dist.all_reduce(both, group=group)
         softmax = exp_z.div_(both[0].unsqueeze(-1))
-        ctx.save_for_backward(softmax, column, mine)
+        ctx.save_for_backward(softmax, column, mine, ignored)
         ctx.logits_dtype = logits_shard.dtype
-        return both[0].log() - both[1]
+        return (both[0].log() - both[1]).masked_fill(ignored, 0.0)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, column, mine = ctx.saved_tensors
+        softmax, column, mine, ignored = ctx.saved_tensors
         # subtract 1 at the target, on the rank that holds it: a scatter, not a (tokens × V/tp)
         # one-hot matrix, which at a 128k vocabulary would cost as much as the logits
         grad = softmax.scatter_add(-1, column.unsqueeze(-1), -mine.unsqueeze(-1).to(softmax.dtype))
-        return (grad * grad_loss.unsqueeze(-1)).to(ctx.logits_dtype), None, None, None
+        grad = grad * grad_loss.unsqueeze(-1)
+        # where, not a product: the mean over no token sends an infinite grad_loss to rows that
+        # must still get exactly 0, as torch's all-ignored batch does
+        grad = torch.where(ignored.unsqueeze(-1), torch.zeros((), dtype=grad.dtype), grad)
+        return grad.to(ctx.logits_dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard, target, vocab_size, group=None):
-    """Per-token loss, shaped like `target` and equal on every rank, of logits split over the
-    vocabulary as ParallelLMHead makes them (rank r: columns [r·w, (r+1)·w), w = the shard's
-    width; columns >= vocab_size are padding and left out). Take `.mean()` for F.cross_entropy's
-    default reduction."""
+def _check_targets(target, vocab_size, ignore_index):
+    """Tokens the loss skips (target == ignore_index); any other target outside the vocabulary
+    is refused. Every rank holds the same targets, so each checks locally and no rank is left
+    waiting in a collective: one host sync, as the embedding's id check costs."""
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"target must hold integer token ids (torch.long), not {target.dtype}: "
+                        f"pass the labels as token ids.")
+    ignored = target == ignore_index
+    if not target.is_meta:
+        outside = ~ignored & ((target < 0) | (target >= vocab_size))
+        if outside.any():
+            row = int(outside.reshape(-1).nonzero()[0])
+            raise ValueError(f"target {int(target.reshape(-1)[row])} (row {row}) is not a token "
+                             f"id of the vocabulary [0, {vocab_size}): labels must lie in it, or "
+                             f"equal ignore_index ({ignore_index}) for tokens the loss skips.")
+    return ignored
+
+
+def vocab_parallel_cross_entropy(logits_shard, target, vocab_size, group=None,
+                                 ignore_index=-100, reduction="none"):
+    """The cross-entropy of logits split over the vocabulary as ParallelLMHead makes them (rank
+    r: columns [r·w, (r+1)·w), w = the shard's width; columns >= vocab_size are padding and left
+    out), equal on every rank. Tokens whose target is `ignore_index` (-100, the padding label,
+    as in F.cross_entropy) cost 0 and get no gradient.
+
+    reduction="none": the per-token loss, shaped like `target`; "mean": F.cross_entropy's
+    default, the mean over the tokens NOT ignored (NaN when every token is, as torch gives;
+    `.mean()` of the per-token losses would count the ignored ones); "sum"."""
     if logits_shard.shape[:-1] != target.shape:
         raise ValueError(f"logits_shard {tuple(logits_shard.shape)} needs one target per row; "
                          f"target is {tuple(target.shape)}.")
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"reduction must be 'none', 'mean' or 'sum'; got {reduction!r}.")
     width, tp = logits_shard.shape[-1], dist.get_world_size(group)
     if width * tp < vocab_size:
         raise ValueError(f"{tp} shards of {width} logits cover {width * tp} entries, fewer than "
                          f"the vocabulary's {vocab_size}.")
-    return _VocabParallelCrossEntropy.apply(logits_shard, target, vocab_size, group)
+    ignored = _check_targets(target, vocab_size, ignore_index)
+    loss = _VocabParallelCrossEntropy.apply(logits_shard, target, vocab_size, group, ignored)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (~ignored).sum().to(loss.dtype)
 
 
 def logits_bytes(tokens, vocab_size, tp=1, bytes_per_value=4):
