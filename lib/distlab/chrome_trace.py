@@ -8,7 +8,8 @@ What the file holds (the format: "Trace Event Format", Google, the JSON Object f
 https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU):
 - one process per rank (`pid` = rank, named "rank r" by a `process_name` metadata event);
 - threads: "compute" (the rank's compute spans), "communication" (every collective and message,
-  while its transfer runs), "blocked waiting" (when the caller sat blocked in it). Slices that
+  while its transfer runs), "blocked waiting" (when the caller sat blocked in it), and for a GPU
+  job's profiler trace "copies" (memcpy/memset: busy, neither compute nor communication). Slices that
   overlap without nesting (async transfers in flight together) get a second lane of their kind,
   because one thread's slices must nest;
 - every collective and message is a complete slice (`ph: "X"`) named after its op, with op,
@@ -28,8 +29,8 @@ import json
 from collections import defaultdict
 
 US = 1e6            # the format's timestamps are microseconds; the course's trace holds seconds
-COMPUTE, COMM, WAIT = "compute", "communication", "blocked waiting"
-_THREADS = (COMPUTE, COMM, WAIT)
+COMPUTE, COMM, WAIT, COPY = "compute", "communication", "blocked waiting", "copies"
+_THREADS = (COMPUTE, COMM, WAIT, COPY)
 _LANES = 100        # lanes of one kind sort together: see _tid
 _FLOW = dict(cat="p2p", name="message")
 
@@ -54,7 +55,8 @@ def chrome_events(trace):
     for r in range(trace.world_size):
         for kind, slices in ((COMPUTE, _compute_slices(trace, r, clock)),
                              (COMM, _comm_slices(trace, r, clock)),
-                             (WAIT, _wait_slices(trace, r, clock))):
+                             (WAIT, _wait_slices(trace, r, clock)),
+                             (COPY, _copy_slices(trace, r, clock))):
             for lane, s in _lanes(slices):
                 s.update(pid=r, tid=_tid(trace.world_size, r, kind, lane))
                 lanes_used[r].add((kind, lane))
@@ -69,8 +71,10 @@ def chrome_events(trace):
         if cluster is not None:
             meta.append(dict(ph="M", name="process_labels", pid=r, tid=0,
                              args=dict(labels="emulated: times are modeled, not measured")))
-        for kind in _THREADS:       # every rank names all three, used or not: the same rows
-            lanes = sorted(lane for k, lane in lanes_used[r] if k == kind) or [0]
+        for kind in _THREADS:       # every rank names the first three, used or not: the same rows
+            lanes = sorted(lane for k, lane in lanes_used[r] if k == kind)
+            if not lanes and kind != COPY:       # copies only where the trace has them (GPUs)
+                lanes = [0]
             for lane in lanes:
                 tid = _tid(trace.world_size, r, kind, lane)
                 label = kind if lane == 0 else f"{kind} ({lane + 1})"
@@ -148,6 +152,20 @@ def _wait_slices(trace, rank, clock):
                             ts=_us(e["end"] - e["waited"]), dur=_us(e["waited"]),
                             args=dict(op=e["op"], seq=e["seq"], clock=clock)))
     return out
+
+
+def _copy_slices(trace, rank, clock):
+    """A GPU job's memcpy/memset intervals: neither compute nor communication, but busy time, so
+    the idle time read back from the file is the idle time of the trace."""
+    return [dict(ph="X", cat="copy", name="copy", ts=_us(a), dur=_us(max(0.0, b - a)),
+                 args=dict(clock=clock))
+            for a, b in _copies(trace, rank)]
+
+
+def _copies(trace, rank):
+    # The trace keeps no accessor for them: they only come from profiler traces of GPU jobs.
+    ranks = getattr(trace, "_ranks", None) or []
+    return [tuple(m) for m in ranks[rank].get("memory", ())] if rank < len(ranks) else []
 
 
 def _lanes(slices):

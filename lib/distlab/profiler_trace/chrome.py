@@ -14,14 +14,16 @@ def from_chrome(path):
         raise ValueError(f"{path} was not written by distlab's to_chrome (no otherData.distlab); "
                          f"for a torch.profiler trace use distlab.profiler_trace.from_profiler.")
     n = info["world_size"]
-    per_rank = [dict(rank=r, events=[], spans=[], end=info["rank_ends_us"][r] / US)
+    per_rank = [dict(rank=r, events=[], spans=[], memory=[], end=info["rank_ends_us"][r] / US)
                 for r in range(n)]
     for ev in doc["traceEvents"]:
         if ev.get("ph") != "X":
             continue
         r, a = per_rank[ev["pid"]], ev["args"]
         start, end = ev["ts"] / US, (ev["ts"] + ev["dur"]) / US
-        if ev["cat"] == "compute":
+        if ev["cat"] == "copy":
+            r["memory"].append((start, end))
+        elif ev["cat"] == "compute":
             r["spans"].append(dict(kind="compute", name=ev["name"], start=start, end=end,
                                    flops=a.get("flops")))
         elif ev["cat"] == "comm":
