@@ -282,3 +282,35 @@ def test_broadcast_and_reduce_are_charged_as_nccl_runs_them_a_pipelined_ring():
     assert t == pytest.approx(nvlink.latency + 7 * nvlink.hop + (1 << 30) / 370e9)
     assert nvlink.seconds("broadcast", 1 << 30, 64) == pytest.approx(
         t + 56 * nvlink.hop)          # adding ranks adds steps, not bytes
+
+
+# ---- bad calls get one sentence that says what to pass (issue 42) -------------------------------
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: predict("ring_all_reduce", -1, 4, LINK), "nbytes.*finite number >= 0.*got -1"),
+    (lambda: predict("ring_all_reduce", NAN, 4, LINK), "nbytes.*got nan"),
+    (lambda: predict("ring_all_reduce", math.inf, 4, LINK), "nbytes.*got inf"),
+    (lambda: predict("ring_all_reduce", "1MB", 4, LINK), "nbytes.*got '1MB'"),
+    (lambda: predict("ring_all_reduce", S, 0, LINK), "world_size >= 1.*got 0"),
+    (lambda: predict("ring_all_reduce", S, 2.5, LINK), "world_size >= 1.*got 2.5"),
+    (lambda: predict("ring_all_reduce", S, NAN, LINK), "world_size >= 1.*got nan"),
+    (lambda: predict("ring_all_reduce", S, 4, "nvlink4"), "link must be .*cost.PRESETS"),
+    (lambda: terms("ring_all_reduce", S, True), "world_size >= 1.*got True"),
+    (lambda: cost.ring_all_reduce_time(NAN, 4, LINK), "nbytes.*got nan"),
+    (lambda: cost.all_reduce_lower_bound(NAN, 4, 1e9), "nbytes.*got nan"),
+    (lambda: cost.all_reduce_lower_bound(S, 4, NAN), "bandwidth > 0"),
+    (lambda: cost.bus_bandwidth("ring_all_reduce", S, 4, 0), "seconds.*> 0.*got 0"),
+    (lambda: cost.bus_bandwidth("ring_all_reduce", S, 4, NAN), "seconds.*got nan"),
+    (lambda: fit([("ring_all_reduce", -5, 4, 1e-3), ("ring_all_reduce", S, 4, 1e-2)]),
+     "nbytes.*got -5"),
+    (lambda: Link(NAN, 1e9), "alpha must be"),
+    (lambda: Link(1e-6, -1e9), "bandwidth must be"),
+])
+def test_bad_calls_to_the_cost_model_are_refused_in_one_sentence(call, words):
+    with pytest.raises((ValueError, TypeError), match=words) as info:
+        call()
+    message = str(info.value)
+    assert "\n" not in message and message.endswith(".")

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab import trace
+from distlab import cost, emulate, trace
 from distlab.emulate import PRESETS, comm_seconds
 
 A100 = PRESETS["a100-nvlink"]
@@ -323,3 +323,20 @@ def test_a_collective_costs_its_modelled_time_and_not_gloos_copies():
     for times, values in results:
         assert times == pytest.approx([scatter, scatter, barrier], rel=1e-12)
         assert values == [2.0, 2.0]            # the values are gloo's, exact
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: emulate.resolve("h100"), "emulate must be the name of a preset"),
+    (lambda: emulate.resolve(8), "emulate must be the name of a preset"),
+    (lambda: comm_seconds("all_reduce", -1, 4, cost.PRESETS["nvlink4"]), "nbytes.*got -1"),
+    (lambda: comm_seconds("all_reduce", float("nan"), 4, A100.intra), "nbytes.*got nan"),
+    (lambda: comm_seconds("all_reduce", 1e6, 0, cost.PRESETS["nvlink4"]), "world_size >= 1"),
+    (lambda: comm_seconds("allreduce", 1e6, 4, cost.PRESETS["nvlink4"]),
+     "unknown collective 'allreduce'"),
+    (lambda: comm_seconds("all_reduce", 1e6, 4, None), "link must be"),
+])
+def test_bad_calls_to_the_emulator_are_refused_in_one_sentence(call, words):
+    """Single process: what a learner may call by hand (a preset by name, a link's time)."""
+    with pytest.raises(ValueError, match=words) as info:
+        call()
+    assert "\n" not in str(info.value) and str(info.value).endswith(".")

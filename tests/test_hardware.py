@@ -189,3 +189,52 @@ def test_a_group_split_unevenly_over_nodes_is_charged_for_the_members_each_node_
     assert two.link_between([8, 3, 2, 1, 0]).seconds("all_reduce", 8, 5) == tiny
     assert two.link_between([0, 8, 9, 10, 11]).seconds("all_to_all", size, 5) == pytest.approx(
         uneven.seconds("all_to_all", size, 5))
+
+
+LLAMA7B = hardware.Transformer(32, 4096, 32, 11008, 32000, glu=True)
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("call, words", [
+    # issue 42 item 18: fewer samples than replicas (before: ZeroDivisionError), GPUs that
+    # tp×pp does not divide (before: modelled silently with 12 of 14)
+    (lambda: hardware.step_seconds(LLAMA7B, H100_NODE, 8, 4, 4096),
+     "global_batch=4 .* 8 data-parallel replicas.*at least 8"),
+    (lambda: hardware.step_seconds(LLAMA7B, hardware.PRESETS["h100-cluster"], 14, 64, 4096,
+                                   tp=4), "n_gpus=14 .*tp×pp = 4.*multiple of 4"),
+    (lambda: hardware.step_seconds(LLAMA7B, H100_NODE, 8, 100, 4096),
+     "global_batch=100 .*multiple of 8"),
+    (lambda: hardware.step_seconds(LLAMA7B, H100_NODE, 8, 64, 4096, tp=3, pp=1),
+     "n_gpus=8 .*tp×pp = 3"),
+    (lambda: hardware.step_seconds(LLAMA7B, hardware.PRESETS["h100-cluster"], 48, 48, 4096,
+                                   tp=3), "tp=3 .*32 attention heads"),
+    (lambda: hardware.step_seconds(LLAMA7B, H100_NODE, 0, 64, 4096), "n_gpus .*got 0"),
+    (lambda: hardware.step_seconds(LLAMA7B, H100_NODE, 8, 64, 4096, tp=0), "tp .*got 0"),
+    (lambda: hardware.step_seconds(LLAMA7B, H100_NODE, 8, 64, NAN), "seq_len .*got nan"),
+    (lambda: hardware.step_seconds(LLAMA7B, H100_NODE, 8, 64, 4096, micro_batch=-1),
+     "micro_batch .*got -1"),
+    (lambda: hardware.step_seconds(LLAMA7B, "h100-node", 8, 64, 4096),
+     "cluster must be .*hardware.PRESETS"),
+    (lambda: hardware.step_seconds((32, 4096), H100_NODE, 8, 64, 4096),
+     "model must be a distlab.hardware.Transformer"),
+    (lambda: hardware.step_seconds(LLAMA7B, H100_NODE, 8, 64, 4096, recompute="some"),
+     "recompute must be"),
+    (lambda: H100_NODE.intra.seconds("all_reduce", -1, 8), "nbytes.*got -1"),
+    (lambda: H100_NODE.intra.seconds("all_reduce", NAN, 8), "nbytes.*got nan"),
+    (lambda: H100_NODE.intra.seconds("all_reduce", 1e6, 0), "world_size >= 1.*got 0"),
+    (lambda: H100_NODE.intra.seconds("send", 1e6, -2), "world_size >= 1.*got -2"),
+    (lambda: H100_NODE.intra.seconds("allreduce", 1e6, 8), "unknown collective 'allreduce'"),
+    (lambda: hardware.PRESETS["h100-2x8"].link_between(range(16)).seconds("all_to_all", NAN, 16),
+     "nbytes.*got nan"),
+    (lambda: hardware.PRESETS["h100-2x8"].link_between([]), "at least one rank"),
+    (lambda: hardware.PRESETS["h100-2x8"].link_between([0, -1]), "ranks.*got -1"),
+    (lambda: H100.seconds(-1e9, 100, torch.bfloat16), "flops.*got -1000000000.0"),
+    (lambda: H100.seconds(1e9, NAN, torch.bfloat16), "nbytes.*got nan"),
+    (lambda: H100.gemm_seconds(1024, NAN, 1024), "n must be"),
+    (lambda: H100.gemm_efficiency(0, 1024, 1024), "m must be"),
+])
+def test_bad_calls_to_the_hardware_model_are_refused_in_one_sentence(call, words):
+    with pytest.raises(ValueError, match=words) as info:
+        call()
+    message = str(info.value)
+    assert "\n" not in message and message.endswith(".")

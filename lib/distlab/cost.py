@@ -35,6 +35,7 @@ table of your busbw beside what the platform should reach.
 `PRESETS` holds rough links for planning; distlab.hardware holds calibrated ones.
 """
 import math
+import numbers
 import statistics
 import time
 from dataclasses import dataclass
@@ -104,12 +105,26 @@ TERMS = {
 }
 
 
+def check_size(who, nbytes, world_size):
+    """Refuse a size or a rank count no model can price (NaN, infinite, negative, a fraction
+    of a rank) in one sentence, before it turns into a NaN or a negative time downstream."""
+    if not _finite(nbytes) or nbytes < 0:
+        raise ValueError(f"{who}: nbytes, the message's size in bytes (numel × element size), "
+                         f"must be a finite number >= 0; got {nbytes!r}.")
+    if not _finite(world_size) or world_size < 1 or world_size != int(world_size):
+        raise ValueError(f"{who} needs world_size >= 1, a whole number of ranks (the group's "
+                         f"size); got {world_size!r}.")
+
+
+def _finite(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def terms(collective, nbytes, world_size):
     """(messages, bytes) on the critical path: time = messages·α + bytes·β."""
     if collective not in TERMS:
         raise ValueError(f"unknown collective {collective!r}; the model knows {sorted(TERMS)}.")
-    if world_size < 1 or nbytes < 0:
-        raise ValueError(f"need world_size >= 1 and nbytes >= 0; got {world_size} and {nbytes}.")
+    check_size(collective, nbytes, world_size)
     return TERMS[collective](nbytes, world_size)
 
 
@@ -119,6 +134,9 @@ def predict(collective, nbytes, world_size, link):
     model (latency floor, per-step cost, achieved bus bandwidth), except for the naive
     all-reduce, which no library runs: that one is charged α-β with the link's message cost."""
     messages, volume = terms(collective, nbytes, world_size)
+    if not (hasattr(link, "alpha") and hasattr(link, "bandwidth")):
+        raise ValueError(f"link must be a distlab.cost.Link (cost.PRESETS has some) or a "
+                         f"distlab.hardware.Link; got {link!r}.")
     if hasattr(link, "seconds") and collective != "naive_all_reduce":
         return link.seconds(collective, nbytes, world_size)
     return messages * link.alpha + volume * link.beta
@@ -136,14 +154,18 @@ def all_reduce_lower_bound(nbytes, world_size, bandwidth):
     Every element of the result combines N inputs: at least N-1 of them must travel to wherever
     they are combined, and the sum must then reach the N-1 other ranks, so at least 2(N-1)·S bytes
     cross the ranks' ports in all, and some port carries at least 1/N of them. The ring meets it."""
-    if world_size < 1 or nbytes < 0 or not bandwidth > 0:
-        raise ValueError(f"need world_size >= 1, nbytes >= 0 and bandwidth > 0; got "
-                         f"{world_size}, {nbytes} and {bandwidth}.")
+    check_size("all_reduce_lower_bound", nbytes, world_size)
+    if not (_finite(bandwidth) or bandwidth == math.inf) or not bandwidth > 0:
+        raise ValueError(f"all_reduce_lower_bound needs bandwidth > 0 in bytes/s; "
+                         f"got {bandwidth!r}.")
     return 2 * (world_size - 1) / world_size * nbytes / bandwidth
 
 
 def bus_bandwidth(collective, nbytes, world_size, seconds):
     """Bytes on the critical path per second: comparable across N (nccl-tests calls it busbw)."""
+    if not _finite(seconds) or seconds <= 0:
+        raise ValueError(f"bus_bandwidth: seconds, the measured time of one call, must be a "
+                         f"finite number > 0; got {seconds!r}.")
     return terms(collective, nbytes, world_size)[1] / seconds
 
 

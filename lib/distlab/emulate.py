@@ -53,7 +53,7 @@ import json
 
 
 from . import hardware
-from .cost import TERMS, Link          # noqa: F401  (Link: the α-β link a Cluster may carry)
+from .cost import TERMS, Link, terms   # noqa: F401  (Link: the α-β link a Cluster may carry)
 from .hardware import Cluster, Device   # noqa: F401  (distlab.emulate.Cluster / Device stay public)
 
 
@@ -105,9 +105,14 @@ def comm_seconds(op, nbytes, world_size, link):
     calibrated link's own model (distlab.hardware.Link), or α-β on a distlab.cost.Link."""
     if hasattr(link, "seconds"):
         return link.seconds(op, nbytes, world_size)
+    if not (hasattr(link, "alpha") and hasattr(link, "bandwidth")):
+        raise ValueError(f"link must be a distlab.hardware.Link (a cluster's .intra, or "
+                         f"cluster.link_between(ranks)) or a distlab.cost.Link; got {link!r}.")
+    if op not in _MODEL:
+        raise ValueError(f"unknown collective {op!r}; the emulator knows {sorted(_MODEL)}.")
+    messages, volume = terms(_MODEL[op], nbytes, world_size)     # checks the sizes
     if world_size <= 1 and op != "send":
         return 0.0
-    messages, volume = TERMS[_MODEL[op]](nbytes, world_size)
     return messages * link.alpha + volume / link.bandwidth
 
 

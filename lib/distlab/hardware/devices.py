@@ -19,6 +19,7 @@ Device — one op costs
   same FLOPs and bytes (d = 3·itemsize·FLOPs / (2·bytes); m = n = k = d).
 """
 import math
+import numbers
 from dataclasses import dataclass, replace
 
 import torch
@@ -104,6 +105,8 @@ class Device:
     def gemm_seconds(self, m, n, k, dtype=_BF16, batch=1):
         """Modeled seconds of a (batch ×) m×n×k matmul in `dtype`, floor and memory traffic
         included."""
+        for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+            _positive("gemm_seconds", name, v)
         itemsize = torch.empty((), dtype=dtype).element_size()
         return self.seconds(2.0 * batch * m * n * k,
                             itemsize * batch * (m * k + k * n + m * n), dtype, (m, n, k, batch))
@@ -112,6 +115,11 @@ class Device:
         """Modeled time of one operation: its kernel (arithmetic or memory traffic, whichever
         bounds it) or the launch floor, whichever is longer. `mnk`: (m, n, k) or (m, n, k,
         batch) of a matmul; without it an op with FLOPs is charged as a square GEMM."""
+        for name, value in (("flops", flops), ("nbytes", nbytes)):
+            if not (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                    and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Device.seconds: {name}, what the op computes or moves, must "
+                                 f"be a finite number >= 0; got {value!r}.")
         compute = 0.0
         if flops:
             if mnk is None:

@@ -21,7 +21,7 @@ datasheet rates (no launch floor, GEMMs at peak, line-rate links), to show the g
 import math
 from dataclasses import dataclass, replace
 
-from ..cost import TERMS
+from ..cost import TERMS, check_size
 from .devices import _GB, _US, Device, _positive
 
 
@@ -82,6 +82,7 @@ class Link:
         (the full tensor for gathers and scatters) among `world_size` ranks on this link."""
         if op not in _TERM:
             raise ValueError(f"unknown collective {op!r}; the model knows {sorted(_TERM)}.")
+        check_size(f"Link.seconds({op!r})", nbytes, world_size)
         if op == "send":
             return self.alpha + nbytes / self.bandwidth
         if world_size <= 1:
@@ -142,10 +143,9 @@ class GroupLink(Link):
         return (max(1, world_size // self.nodes),) * self.nodes, (self.member_nic,) * self.nodes
 
     def seconds(self, op, nbytes, world_size):
-        if op not in _TERM:
-            raise ValueError(f"unknown collective {op!r}; the model knows {sorted(_TERM)}.")
-        if op == "send" or world_size <= 1:
-            return Link.seconds(self, op, nbytes, world_size)
+        if op == "send" or op not in _TERM or world_size <= 1:
+            return Link.seconds(self, op, nbytes, world_size)       # checks op and sizes
+        check_size(f"Link.seconds({op!r})", nbytes, world_size)
         _, volume = TERMS[_TERM[op]](nbytes, world_size)
         members, nics = self._members(world_size)
         if _TERM[op] == "all_to_all" and all(nics):
@@ -261,6 +261,10 @@ class Cluster:
         NCCL's cross-node latency and min(intra busbw, k × NIC busbw), with the members that
         each node actually holds (k: the NICs of the node with the fewest)."""
         ranks = list(ranks)
+        bad = [r for r in ranks if not isinstance(r, int) or isinstance(r, bool) or r < 0]
+        if not ranks or bad:
+            raise ValueError(f"link_between needs the group's global ranks, at least one rank, "
+                             f"each a whole number >= 0; got {bad[0] if bad else ranks!r}.")
         nodes = sorted({r // self.ranks_per_node for r in ranks})
         if self.inter is None or len(nodes) <= 1:
             return self.intra

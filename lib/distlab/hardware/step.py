@@ -1,10 +1,12 @@
 """A training step at full size: a transformer's layers, its parallel layout and its
 communication on a cluster, in closed form (validated in bench/fidelity.py)."""
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from .devices import _BF16
+from .fabric import Cluster
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micr
     sustained: the fraction of the benchmark rates (MAMF GEMMs, HBM copies) that kernels keep
     inside a training loop (SUSTAINED by default; 1: the benchmarks' rates).
     A small model, not a simulator: bench/fidelity.py says how small."""
+    _check_step(model, cluster, n_gpus, global_batch, seq_len, tp, pp, micro_batch, recompute)
     dev, h, s, b = cluster.device, model.hidden, seq_len, micro_batch
     dp = n_gpus // (tp * pp)
     m = global_batch // (dp * b)                      # micro-batches per pipeline
@@ -82,9 +85,6 @@ def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micr
     elementwise = per_token * t * h / tp + (0 if flash else 2 * 5 * heads * s * s * b)
     elementwise /= dev.memory_bandwidth
     # forward-like passes over the layer: forward, backward (twice forward's work), recompute
-    if recompute not in ("none", "selective", "selective-op", "full"):
-        raise ValueError(f"recompute must be 'none', 'selective', 'selective-op' or 'full'; "
-                         f"got {recompute!r}.")
     gemm_passes = {"none": 3, "selective": 3, "selective-op": 3.5, "full": 4}[recompute]
     other_passes = {"none": 3, "selective": 3, "selective-op": 4, "full": 4}[recompute]
     passes = 4 if recompute == "full" else 3         # tensor-parallel all-reduce passes
@@ -115,3 +115,40 @@ def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micr
     exposed_dp = 0.0 if overlap_dp else dp_comm
     return dict(step=compute + bubble + tp_comm + pp_comm + exposed_dp, compute=compute,
                 bubble=bubble, tp=tp_comm, pp=pp_comm, dp=dp_comm, micro_batches=m, dp_size=dp)
+
+
+def _check_step(model, cluster, n_gpus, global_batch, seq_len, tp, pp, micro_batch, recompute):
+    """Refuse a layout the model cannot price, in one sentence that says what to change: a
+    floor division would otherwise model fewer GPUs or samples than asked, or divide by zero."""
+    if not isinstance(model, Transformer):
+        raise ValueError(f"model must be a distlab.hardware.Transformer(layers, hidden, heads, "
+                         f"ffn, vocab); got {model!r}.")
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster must be a distlab.hardware.Cluster, such as "
+                         f"hardware.PRESETS['h100-node']; got {cluster!r}.")
+    for name, value in (("n_gpus", n_gpus), ("global_batch", global_batch),
+                        ("seq_len", seq_len), ("tp", tp), ("pp", pp),
+                        ("micro_batch", micro_batch)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"step_seconds: {name} must be a whole number >= 1; got {value!r}.")
+    if recompute not in ("none", "selective", "selective-op", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective', 'selective-op' or 'full'; "
+                         f"got {recompute!r}.")
+    if n_gpus % (tp * pp):
+        raise ValueError(f"n_gpus={n_gpus} is not a multiple of tp×pp = {tp * pp}: every "
+                         f"data-parallel replica needs tp×pp whole GPUs, so use a multiple of "
+                         f"{tp * pp} GPUs or a tp and pp whose product divides {n_gpus}.")
+    if model.heads % tp:
+        raise ValueError(f"tp={tp} does not divide the model's {model.heads} attention heads: "
+                         f"tensor parallelism gives each rank whole heads, so pick a tp that "
+                         f"divides {model.heads}.")
+    dp = n_gpus // (tp * pp)
+    if global_batch < dp * micro_batch:
+        raise ValueError(f"global_batch={global_batch} is smaller than one micro-batch of "
+                         f"{micro_batch} for each of the {dp} data-parallel replicas: use a "
+                         f"global batch of at least {dp * micro_batch} or fewer replicas.")
+    if global_batch % (dp * micro_batch):
+        raise ValueError(f"global_batch={global_batch} is not a multiple of {dp * micro_batch} "
+                         f"({dp} data-parallel replicas × micro_batch {micro_batch}): every "
+                         f"replica runs whole micro-batches, so use a multiple of "
+                         f"{dp * micro_batch}.")
