@@ -258,6 +258,16 @@ def test_bad_profiler_input_gets_a_sentence(tmp_path):
         from_profiler([tmp_path / "copy0.json", tmp_path / "copy1.json"])
 
 
+def test_one_ranks_file_of_a_big_job_reads_alone():
+    # HTA's rank 34 of a 300-rank gloo job (tests/data/hta_cpu_rank34); before: "needs one file
+    # per rank 0..0"
+    t = from_profiler(DATA.parent / "hta_cpu_rank34")
+    assert (t.world_size, t.ranks_read) == (300, [34]) and "1 of its 300 ranks" in t.source
+    assert t.ops(34) == ["all_reduce"] * 10 and t.comm(0) == [] and t.compute(299) == []
+    assert all(e["group"] == tuple(range(300)) and e["start"] < e["end"] for e in t.comm(34))
+    assert t.overlap(34)["comm"] > 0
+
+
 def test_a_ddp_profile_becomes_the_courses_trace(shipped):
     params = sum(p.numel() for p in models.make_mlp(SHIPPED_SIZES).parameters())
     assert shipped.world_size == 2 and shipped.source.startswith("torch.profiler")

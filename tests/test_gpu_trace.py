@@ -7,6 +7,7 @@ import pytest
 from distlab.viz.gpu_trace import _minus, annotated_step, read_step
 
 DATA = Path(__file__).parent / "data" / "hta_resnet50_ddp"
+SOURCE = Path(__file__).parent / "data" / "hta_resnet50_ddp_source"     # untouched
 
 
 def total(xs):
@@ -44,8 +45,19 @@ def test_what_the_chapter_says_of_step_5():
     assert 10e9 < big["bytes"] / (big["end"] - big["start"]) < 14e9     # "about 12 GB/s"
 
 
+def test_the_untouched_source_trace_gives_the_same_step():
+    # HTA's own file, as Kineto wrote it: its GPU ranges carry no step (before: "no GPU ranges"),
+    # so the steps come from its ProfilerStep ranges and the kernels each phase launched.
+    cut, source = read_step(DATA, "ProfilerStep#5"), read_step(SOURCE, "ProfilerStep#5")
+    assert [n for n, _, _ in source["phases"]] == [n for n, _, _ in cut["phases"]]
+    for key in ("span", "idle", "overlapped", "comm_busy", "compute_busy"):
+        assert source[key] == pytest.approx(cut[key], abs=1e-9), key
+    assert [(e["op"], e["bytes"]) for e in source["calls"]] == \
+        [(e["op"], e["bytes"]) for e in cut["calls"]]
+
+
 def test_an_unknown_step_is_refused():
-    with pytest.raises(ValueError, match="no GPU ranges"):
+    with pytest.raises(ValueError, match="no GPU ranges.*its steps are ProfilerStep#4, ProfilerStep#5"):
         read_step(DATA, "ProfilerStep#99")
 
 

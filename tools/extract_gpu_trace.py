@@ -13,50 +13,30 @@ ProfilerStep and `## forward/backward/optimizer ##` ranges; the file's header (d
 one device's properties, baseTimeNanoseconds). What is dropped: CPU operators, runtime calls and
 flows (90 % of the file; the chapter reads the GPU side). What is added: one `gpu_user_annotation`
 per phase and step, spanning the kernels its CPU range launched (matched by correlation id to the
-launching runtime call) — the projection Kineto itself writes for record_function ranges.
+launching runtime call: distlab.profiler_trace.steps, which `viz.gpu_trace.read_step` also uses on
+an untouched trace).
 """
 import argparse
 import gzip
 import json
 from pathlib import Path
 
+from distlab.profiler_trace.steps import GPU, projected_phases, step_ranges
+
 SOURCE = "tests/data/nccl_parser_config/nccl_data.json.gz"
-GPU = ("kernel", "gpu_memcpy", "gpu_memset")
-PHASES = ("## forward ##", "## backward ##", "## optimizer ##")
 KEEP_ARGS = ("stream", "correlation", "device", "Collective name", "In msg nelems",
              "Out msg nelems", "Group size", "dtype", "Process Group Ranks", "bytes")
 
 
 def extract(doc):
-    events = doc["traceEvents"]
-    gpu = [e for e in events if e.get("cat") in GPU and e.get("ph") == "X"]
+    projected = [dict(ph="X", cat="gpu_user_annotation", name=p["name"], pid=p["pid"],
+                      tid=p["tid"], ts=p["ts"], dur=p["dur"],
+                      args=dict(step=p["step"], kernels=p["kernels"]))
+                 for p in projected_phases(doc)]        # before the copies' args are cut
+    cpu = step_ranges(doc)
+    gpu = [e for e in doc["traceEvents"] if e.get("cat") in GPU and e.get("ph") == "X"]
     for e in gpu:
         e["args"] = {k: v for k, v in e.get("args", {}).items() if k in KEEP_ARGS}
-    launch = {e["args"]["correlation"]: e["ts"] for e in events
-              if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
-    ranges = [e for e in events if e.get("cat") == "user_annotation"
-              and (e["name"].startswith("ProfilerStep") or e["name"] in PHASES)]
-    # A phase name appears twice per step (main and autograd threads): keep the longest.
-    longest = {}
-    for e in ranges:
-        step = next(s["name"] for s in ranges if s["name"].startswith("ProfilerStep")
-                    and s["ts"] <= e["ts"] < s["ts"] + s["dur"])
-        key = (step, e["name"])
-        if key not in longest or e["dur"] > longest[key]["dur"]:
-            longest[key] = e
-    cpu = sorted(longest.values(), key=lambda e: e["ts"])
-    projected = []
-    for (step, name), r in sorted(longest.items(), key=lambda kv: kv[1]["ts"]):
-        if name not in PHASES:
-            continue
-        mine = [k for k in gpu if r["ts"] <= launch.get(k["args"].get("correlation"), -1)
-                < r["ts"] + r["dur"]]
-        if mine:
-            start = min(k["ts"] for k in mine)
-            end = max(k["ts"] + k["dur"] for k in mine)
-            projected.append(dict(ph="X", cat="gpu_user_annotation", name=name, pid=mine[0]["pid"],
-                                  tid=mine[0]["tid"], ts=start, dur=end - start,
-                                  args=dict(step=step, kernels=len(mine))))
     for e in cpu:
         e["args"] = {}
     head = {k: doc[k] for k in ("schemaVersion", "distributedInfo", "baseTimeNanoseconds",

@@ -40,7 +40,11 @@ def _load(path):
 
 def _rank_of(doc, index):
     info = doc.get("distributedInfo") or {}
-    return info.get("rank", index)
+    rank = info.get("rank", index) if isinstance(info, dict) else index
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"{doc['_path']} names rank {rank!r} in its distributedInfo; a rank is a "
+                         f"whole number >= 0 (is this file a torch.profiler trace?).")
+    return rank
 
 
 def _base_us(doc):

@@ -6,22 +6,37 @@ from .gpu import GPU_CATS, _gpu
 
 def from_profiler(paths):
     """A distlab Trace from torch.profiler traces: a folder of them, one file, or a list of
-    files (one per rank)."""
+    files (one per rank). The ranks are the files' own (distributedInfo.rank), so one rank's
+    file of a big job reads alone: the Trace has the job's world size, and the ranks without a
+    file are empty (`trace.ranks_read` lists those with one)."""
     from ..trace import Trace
     files = _files(paths)
     docs = [_load(f) for f in files]
     ranks = [_rank_of(doc, i) for i, doc in enumerate(docs)]
-    if sorted(ranks) != list(range(len(docs))):
-        raise ValueError(f"the traces name ranks {sorted(ranks)}; from_profiler needs one file "
-                         f"per rank 0..{len(docs) - 1} (pass each rank's file once).")
+    seen = {}
+    for f, rank in zip(files, ranks):
+        if rank in seen:
+            raise ValueError(f"{seen[rank].name} and {f.name} are both rank {rank}: "
+                             f"from_profiler needs one file per rank (pass each rank's file once).")
+        seen[rank] = f
+    world = max([max(ranks) + 1] + [_world_of(doc) for doc in docs])
     origin = min(_t0(doc) for doc in docs)
-    per_rank = [None] * len(docs)
+    per_rank = [dict(rank=r, events=[], spans=[], memory=[], gpu=False, end=0.0)
+                for r in range(world)]
     for doc, rank in zip(docs, ranks):
         per_rank[rank] = _read_rank(doc, rank, origin)
     trace = Trace(per_rank)
+    trace.ranks_read = sorted(ranks)
     gpu = any(r["gpu"] for r in per_rank)
     trace.source = "torch.profiler trace" + (" (GPU kernels)" if gpu else " (CPU, gloo)")
+    if len(ranks) < world:
+        trace.source += f", the files of {len(ranks)} of its {world} ranks"
     return trace
+
+
+def _world_of(doc):
+    world = (doc.get("distributedInfo") or {}).get("world_size")
+    return world if isinstance(world, int) and not isinstance(world, bool) and world > 0 else 0
 
 
 def _read_rank(doc, rank, origin):

@@ -4,14 +4,17 @@
     annotated_step(step)
 
 The step is the GPU side of a torch.profiler step: from the first kernel its forward launched to
-the last its optimizer launched (the `gpu_user_annotation` ranges Kineto writes). The numbers use
+the last its optimizer launched — the `gpu_user_annotation` ranges tagged with the step
+(tools/extract_gpu_trace.py writes them), or in an untouched trace the kernels each CPU range
+launched (distlab.profiler_trace.steps). The numbers use
 Holistic Trace Analysis' definitions, as `Trace.overlap` does, inside that window.
 """
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from ..profiler_trace import _base_us, _files, _load, _subtract, _t0, from_profiler
-from ..trace import _intersection, _merged, _union
+from ..profiler_trace import _base_us, _files, _load, _read_rank, _subtract, _t0
+from ..profiler_trace.steps import projected_phases
+from ..trace import Trace, _intersection, _merged, _union
 from .trace import COMM, COMPUTE, WAIT
 
 PHASE_COLOURS = {"## forward ##": "#DCE6F2", "## backward ##": "#E8DCF2", "## optimizer ##": "#DFF2DC"}
@@ -23,13 +26,20 @@ def read_step(path, step):
     files = _files(path)
     doc = _load(files[0])
     origin, base = _t0(doc), _base_us(doc)
-    phases = [(e["name"], (e["ts"] + base - origin) / 1e6, (e["ts"] + e["dur"] + base - origin) / 1e6)
-              for e in doc["traceEvents"] if e.get("cat") == "gpu_user_annotation"
-              and (e.get("args") or {}).get("step") == step]
+    tagged = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in doc["traceEvents"]
+              if e.get("cat") == "gpu_user_annotation" and isinstance(e.get("args"), dict)
+              and e["args"].get("step") == step]
+    if not tagged:          # an untouched trace: project its CPU ranges onto the GPU ourselves
+        tagged = [(p["name"], p["ts"], p["ts"] + p["dur"]) for p in projected_phases(doc)
+                  if p["step"] == step]
+    phases = [(name, (a + base - origin) / 1e6, (b + base - origin) / 1e6) for name, a, b in tagged]
     if not phases:
-        raise ValueError(f"{files[0]} has no GPU ranges for {step!r}.")
+        steps = sorted({str(e.get("name")) for e in doc["traceEvents"]
+                        if str(e.get("name", "")).startswith("ProfilerStep")})
+        raise ValueError(f"{files[0]} has no GPU ranges for {step!r}: its steps are "
+                         f"{', '.join(steps) or 'none (profile with schedule= and prof.step())'}.")
     lo, hi = min(a for _, a, _ in phases), max(b for _, _, b in phases)
-    trace = from_profiler(files[0])
+    trace = Trace([_read_rank(doc, 0, origin)])
 
     def inside(xs):
         return [(max(a, lo), min(b, hi)) for a, b in xs if b > lo and a < hi]
@@ -82,7 +92,8 @@ def _panel(ax, step, a, b, labels):
                        color=colour, lw=0)
     for name, s, e in step["phases"]:
         if e > a and s < b:
-            ax.axvspan((max(s, a) - lo) * 1e3, (min(e, b) - lo) * 1e3, color=PHASE_COLOURS[name], lw=0)
+            ax.axvspan((max(s, a) - lo) * 1e3, (min(e, b) - lo) * 1e3,
+                        color=PHASE_COLOURS.get(name, "#EEEEEE"), lw=0)
     bars(0, step["compute"], COMPUTE)
     bars(1, [(e["start"], e["end"]) for e in step["calls"]], COMM)
     bars(1, step["exposed_intervals"], WAIT)
