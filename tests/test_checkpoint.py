@@ -272,3 +272,87 @@ def test_a_damaged_checkpoint_is_refused_in_one_sentence_naming_what_is_missing(
     with pytest.raises(checkpoint.BrokenCheckpoint) as e:
         checkpoint.read(folder)              # the same sentence in one process
     assert str(e.value) == message
+
+
+# ---- bad calls of checkpoint's public functions: one sentence each, before any file is read ---------
+
+def _gpt():
+    from distlab.models import make_gpt
+    return make_gpt(seed=0, n_layers=1, **train.CONFIG)
+
+
+ELSE = "resume from another checkpoint, or start with another --ckpt folder."
+BAD_CALLS = {   # what is called (d: an empty folder with a file "f" in it), and what it says
+    "read a folder that does not exist": (
+        lambda d: checkpoint.read(f"{d}/none"), ValueError,
+        "there is no checkpoint folder {d}/none; " + ELSE),
+    "read a step that does not exist": (
+        lambda d: checkpoint.read(f"{d}/step-000009"), ValueError,
+        "there is no checkpoint folder {d}/step-000009; " + ELSE),
+    "read a folder no save finished in": (
+        lambda d: checkpoint.read(d), ValueError,
+        "{d} holds no finished checkpoint (no latest file names one, and it has no .metadata of "
+        "its own); " + ELSE),
+    "read_meta of a step that does not exist": (
+        lambda d: checkpoint.read_meta(f"{d}/step-000009"), ValueError,
+        "there is no checkpoint folder {d}/step-000009; " + ELSE),
+    "load a step that does not exist": (
+        lambda d: checkpoint.load(f"{d}/step-000009", None, None), ValueError,
+        "there is no checkpoint folder {d}/step-000009; " + ELSE),
+    "mismatch with a step that does not exist": (
+        lambda d: checkpoint.mismatch(f"{d}/step-000009", _gpt()), ValueError,
+        "there is no checkpoint folder {d}/step-000009; " + ELSE),
+    "reshard_problem of a step that does not exist": (
+        lambda d: checkpoint.reshard_problem(f"{d}/step-000009", 2, 2), ValueError,
+        "there is no checkpoint folder {d}/step-000009; " + ELSE),
+    "reshard_problem at tp 0": (
+        lambda d: checkpoint.reshard_problem(d, 0, 2), ValueError,
+        "reshard_problem's tp must be a whole number >= 1 (tensor-parallel ranks); got 0."),
+    "consolidate into a folder that does not exist": (
+        lambda d: checkpoint.consolidate(d, f"{d}/none/gpt.pt"), ValueError,
+        "cannot write {d}/none/gpt.pt: there is no folder {d}/none; create it, or choose another "
+        "file."),
+    "save into a file": (
+        lambda d: checkpoint.save(f"{d}/f", 1, None, None), ValueError,
+        "{d}/f is a file; pass save the folder its checkpoints go into (it makes one step folder "
+        "per save there)."),
+    "save a negative step": (
+        lambda d: checkpoint.save(d, -1, None, None), ValueError,
+        "save's step must be a whole number >= 0 (the optimizer steps done); got -1."),
+    "save a fractional step": (
+        lambda d: checkpoint.save(d, 2.5, None, None), ValueError,
+        "save's step must be a whole number >= 0 (the optimizer steps done); got 2.5."),
+    "save into a number": (
+        lambda d: checkpoint.save(3, 1, None, None), TypeError,
+        "save's folder must be a path (a str); got int."),
+    "save_costs at pp 0": (
+        lambda d: checkpoint.save_costs(__import__("distlab.layout").layout.SHAPES["Llama-2 7B"],
+                                        dp=1, pp=0, tp=1), ValueError,
+        "save_costs' pp must be a whole number >= 1; got 0."),
+    "mtbf_seconds of no GPU": (
+        lambda d: checkpoint.mtbf_seconds(0), ValueError,
+        "mtbf_seconds' gpus must be a positive number; got 0."),
+    "young_daly of a negative save time": (
+        lambda d: checkpoint.young_daly(-60, 3600), ValueError,
+        "young_daly's save_s must be a positive number of seconds; got -60."),
+    "lost_fraction at interval 0": (
+        lambda d: checkpoint.lost_fraction(0, 60, 3600), ValueError,
+        "lost_fraction's interval_s must be a positive number of seconds; got 0."),
+}
+
+
+def test_bad_calls_are_refused_in_one_sentence_saying_what_to_do(tmp_path):
+    d = str(tmp_path)
+    (tmp_path / "f").write_text("not a checkpoint folder")
+    wrong = []
+    for case, (call, kind, sentence) in BAD_CALLS.items():
+        try:
+            call(d)
+            wrong.append(f"{case}: no error")
+        except Exception as e:
+            if type(e) is not kind and not (kind is ValueError
+                                            and isinstance(e, checkpoint.BrokenCheckpoint)):
+                wrong.append(f"{case}: {type(e).__name__}: {e}")
+            elif str(e) != sentence.format(d=d):
+                wrong.append(f"{case}: {e}")
+    assert not wrong, "\n".join(wrong)

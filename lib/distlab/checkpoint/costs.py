@@ -1,4 +1,18 @@
 """What each checkpoint format costs, and how often to save."""
+from numbers import Integral, Real
+
+
+def _positive(function, at_least=None, unit="", **values):
+    """Refuse, in one sentence, a value these formulas would divide by (or root) when it is not
+    positive: they would raise ZeroDivisionError deep inside or return a complex number."""
+    whose = function + ("'" if function.endswith("s") else "'s")
+    for name, value in values.items():
+        if at_least is not None:
+            if isinstance(value, bool) or not isinstance(value, Integral) or value < at_least:
+                raise ValueError(f"{whose} {name} must be a whole number >= {at_least}; got "
+                                 f"{value!r}.")
+        elif isinstance(value, bool) or not isinstance(value, Real) or not value > 0:
+            raise ValueError(f"{whose} {name} must be a positive number{unit}; got {value!r}.")
 
 
 def save_costs(shape, dp, pp, tp, bytes_per_value=4, copies=3):
@@ -6,6 +20,7 @@ def save_costs(shape, dp, pp, tp, bytes_per_value=4, copies=3):
     (dp, pp, tp): the bytes each format holds at a save and reads at a load, and what the whole
     job writes. `copies`: the tensors saved per parameter (3: fp32 weights and Adam's two
     moments). Embeddings and head count as replicated across tp, as in Stage3D."""
+    _positive("save_costs", at_least=1, dp=dp, pp=pp, tp=tp)
     per_layer = (shape.params() - 2 * shape.vocab * shape.hidden) / shape.layers
     layers = -(-shape.layers // pp)                               # the longest stage
     ends = shape.vocab * shape.hidden * (2 if pp == 1 else 1)     # embedding or head
@@ -25,16 +40,23 @@ def mtbf_seconds(gpus, interruptions=LLAMA3_INTERRUPTIONS, days=LLAMA3_DAYS,
                  observed_gpus=LLAMA3_GPUS):
     """Mean time between interruptions of a job on `gpus` GPUs, if failures strike each GPU
     independently at the rate observed (Llama 3's by default): it shrinks as 1/gpus."""
+    _positive("mtbf_seconds", gpus=gpus, interruptions=interruptions, days=days,
+              observed_gpus=observed_gpus)
     return days * 86400 / interruptions * observed_gpus / gpus
 
 
 def young_daly(save_s, mtbf_s):
     """The checkpoint interval that loses the least time (Young 1974, Daly 2006, first order):
     sqrt(2 · C · MTBF), C the time a save stops training."""
+    _positive("young_daly", unit=" of seconds", save_s=save_s, mtbf_s=mtbf_s)
     return (2 * save_s * mtbf_s) ** 0.5
 
 
 def lost_fraction(interval_s, save_s, mtbf_s):
     """The fraction of time lost at interval τ, to first order: C/τ spent saving, plus on
     average τ/2 of work redone after each failure (one per MTBF)."""
+    _positive("lost_fraction", unit=" of seconds", interval_s=interval_s, mtbf_s=mtbf_s)
+    if isinstance(save_s, bool) or not isinstance(save_s, Real) or save_s < 0:
+        raise ValueError(f"lost_fraction's save_s must be a number of seconds >= 0; got "
+                         f"{save_s!r}.")
     return save_s / interval_s + interval_s / (2 * mtbf_s)

@@ -57,11 +57,9 @@ def damage(path):
     ranks only.
     """
     from torch.distributed.checkpoint.metadata import Metadata
-    if not os.path.isdir(path):
-        return f"there is no checkpoint folder {path}; {_ELSE}"
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        return (f"{path} has no .metadata file, so the save that wrote it never finished; "
-                f"{_ELSE}")
+    why = _no_metadata(path)
+    if why:
+        return why
     try:
         metadata = _reader(path).read_metadata()
     except Exception as e:                # garbage unpickles into any error; say which
@@ -79,6 +77,38 @@ def damage(path):
         if os.path.getsize(file) < size:
             return (f"{file} is cut short ({os.path.getsize(file)} of the {size} bytes its "
                     f".metadata lists); {_ELSE}")
+    return None
+
+
+def _resolve(folder_or_path, whole=True):
+    """The step folder a caller means (the one <folder>/latest names, or the path itself), or a
+    BrokenCheckpoint saying what is missing, before DCP or pickle fail deep inside.
+
+    `whole`: check every rank file's size too (damage); else only that the .metadata is there
+    (for callers that read nothing else)."""
+    folder_or_path = os.fspath(folder_or_path)
+    path = latest(folder_or_path) or folder_or_path
+    if (path == folder_or_path and os.path.isdir(path) and not _has_metadata(path)
+            and not _STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(path)))):
+        raise BrokenCheckpoint(f"{path} holds no finished checkpoint (no latest file names one, "
+                               f"and it has no .metadata of its own); {_ELSE}")
+    why = damage(path) if whole else _no_metadata(path)
+    if why:
+        raise BrokenCheckpoint(why)
+    return path
+
+
+def _has_metadata(path):
+    return os.path.exists(os.path.join(path, ".metadata"))
+
+
+def _no_metadata(path):
+    """damage's first two sentences: no folder, or a folder without its .metadata."""
+    if not os.path.isdir(path):
+        return f"there is no checkpoint folder {path}; {_ELSE}"
+    if not _has_metadata(path):
+        return (f"{path} has no .metadata file, so the save that wrote it never finished; "
+                f"{_ELSE}")
     return None
 
 

@@ -6,12 +6,13 @@ import os
 import torch
 import torch.distributed as dist
 
-from .folder import BrokenCheckpoint, _dcp, _failed, _reader, _unreadable, damage, latest
+from .folder import _dcp, _failed, _reader, _resolve, _unreadable
 from .pieces import _dense_metadata, _merge_pieces, _full_shape, _state
 
 
 def mismatch(path, dense_model, optimizer=None):
     """A sentence saying why the checkpoint at `path` cannot continue this run, or None."""
+    path = _resolve(path, whole=False)
     saved = _dense_metadata(_reader(path).read_metadata().state_dict_metadata)
     mine = dense_model.state_dict()
     names = {k[len("model."):] for k in saved if k.startswith("model.")}
@@ -40,6 +41,7 @@ def mismatch(path, dense_model, optimizer=None):
 
 def read_meta(path):
     """Collective: the meta of the checkpoint at `path` alone (step, losses, the run's settings)."""
+    path = _resolve(path)
     want = {"meta": ""}
     try:
         _dcp().load(want, checkpoint_id=path)
@@ -51,6 +53,7 @@ def read_meta(path):
 def load(path, stage, mesh, optimizer=None):
     """Collective: fill this rank's shards (and Adam's) from the checkpoint at `path`; its meta,
     with "read_bytes": the tensor bytes this rank asked DCP for."""
+    path = _resolve(path)                       # every rank sees the same files: all or none raise
     saved = _reader(path).read_metadata().state_dict_metadata
     if "layout" not in saved:                   # written by save(..., sharded=False)
         return _load_dense(path, stage, mesh, optimizer, saved)
@@ -144,10 +147,7 @@ def read(folder_or_path):
     """The whole checkpoint in this process (no process group): {"meta", "model", "optim", "rng"}."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     import warnings
-    path = latest(folder_or_path) or folder_or_path
-    why = damage(path)
-    if why:
-        raise BrokenCheckpoint(why)
+    path = _resolve(folder_or_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # "assuming ... a single process": yes
         try:
@@ -171,10 +171,11 @@ def consolidate(path, file):
     stacked back, so that make_gpt(...).load_state_dict(torch.load(file)) takes it as is."""
     import tempfile
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    path = latest(path) or path
-    why = damage(path)
-    if why:
-        raise BrokenCheckpoint(why)
+    where = os.path.dirname(os.fspath(file))
+    if not os.path.isdir(where or "."):         # found out only after reading every chunk
+        raise ValueError(f"cannot write {file}: there is no folder {where}; create it, or choose "
+                         f"another file.")
+    path = _resolve(path)
     with tempfile.TemporaryDirectory() as tmp:
         whole = os.path.join(tmp, "whole.pt")
         dcp_to_torch_save(path, whole)

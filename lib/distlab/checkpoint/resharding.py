@@ -1,5 +1,7 @@
 """Which tensor-parallel degrees a saved checkpoint can be loaded at (the model's rules, not DCP's)."""
-from .folder import _reader
+from numbers import Integral
+
+from .folder import _reader, _resolve
 from .pieces import _PIECE, _dense_metadata
 
 
@@ -12,10 +14,14 @@ def reshard_problem(path, tp, n_heads, n_kv_heads=None):
     whole query heads per rank, K/V heads split or shared evenly (kv_head_split), and every
     split dimension a multiple of tp (even shards)."""
     from ..tensor_parallel import kv_head_split
+    if isinstance(tp, bool) or not isinstance(tp, Integral) or tp < 1:
+        raise ValueError(f"reshard_problem's tp must be a whole number >= 1 (tensor-parallel "
+                         f"ranks); got {tp!r}.")
     if n_heads % tp and n_kv_heads is None:
         ok = [t for t in range(1, n_heads + 1) if n_heads % t == 0]
         return (f"{path} holds a model with {n_heads} attention heads, which {tp} tensor-parallel "
                 f"ranks cannot share (each computes whole heads); load it with tp in {ok}.")
+    path = _resolve(path, whole=False)
     saved = _reader(path).read_metadata().state_dict_metadata
     if n_kv_heads is not None:
         try:

@@ -1,6 +1,7 @@
 """Writing a checkpoint: in the foreground, or staged and written by a background thread."""
 import json
 import os
+from numbers import Integral
 
 import torch.distributed as dist
 
@@ -42,7 +43,7 @@ def _check(folder, step):
     """The same sentence on every rank for arguments no save could use, before any collective."""
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"save's folder must be a path (a str); got {type(folder).__name__}.")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if isinstance(step, bool) or not isinstance(step, Integral) or step < 0:
         raise ValueError(f"save's step must be a whole number >= 0 (the optimizer steps done); "
                          f"got {step!r}.")
     if os.path.isfile(folder):
