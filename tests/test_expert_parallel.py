@@ -211,6 +211,71 @@ def _ep_against_reference(rank, world_size, experts_per_rank):
         errors[(top_k, capacity_factor, bias)] = (worst, ep.stats["received_rows"])
     if world_size in (2, 3) and experts_per_rank == 2:
         errors.update(_modern_against_reference(rank, world_size))
+        errors.update(_empty_rank_against_reference(rank, world_size))
+    return errors
+
+
+# A rank with no token (the last), beside ranks of 12 and 7: per-rank losses against the
+# one-process layer on each rank's batch (an empty batch's aux and z-loss are 0, not a mean over
+# nothing), and global-batch balancing against one process over ALL the tokens at once.
+EMPTY = {
+    "empty rank, top-2, per-rank": (dict(top_k=2, capacity_factor=1.0), {}),
+    "empty rank, expert choice, per-rank": (dict(router="expert_choice", capacity_factor=1.0), {}),
+    "empty rank, top-2, global batch": (dict(top_k=2, capacity_factor=1.0),
+                                        dict(global_capacity=True, balance_group="world")),
+    "empty rank, top-1, shared expert, global batch": (
+        dict(top_k=1, capacity_factor=1.5, n_shared=1),
+        dict(global_capacity=True, balance_group="world")),
+}
+
+
+def _empty_rank_against_reference(rank, world_size):
+    sizes = [12, 7, 0][-world_size:] if world_size == 3 else [12, 0]
+    errors = {}
+    for name, (config, options) in EMPTY.items():
+        moe = make_moe(seed=1, dtype=F64, d_model=D, hidden=16, n_experts=2 * world_size, **config)
+        if options.get("balance_group") == "world":
+            options = dict(options, balance_group=dist.group.WORLD)
+        ep = ExpertParallelMoE(moe, group=None, **options)
+        x = _tokens(rank, sizes[rank]).requires_grad_()
+        y, aux = ep(x)
+        (_probe(y) + aux + ep.z_loss).backward()
+        xs = [_tokens(r, n).requires_grad_() for r, n in enumerate(sizes)]
+        if "global" in name:
+            # one process, every token at once; each rank's losses are its share, so their
+            # mean over the ranks is the whole batch's
+            y_all, aux_all = moe(torch.cat(xs))
+            ref_y = y_all.split(sizes)[rank]
+            loss = sum(_probe(yr) for yr in y_all.split(sizes)) + world_size * (aux_all
+                                                                               + moe.z_loss)
+            shares = torch.stack([aux.detach(), ep.z_loss.detach()])
+            dist.all_reduce(shares)
+            worst = {"mean aux": (shares[0] / world_size - aux_all).abs().item(),
+                     "mean z-loss": (shares[1] / world_size - moe.z_loss).abs().item()}
+        else:
+            # one process, batch by batch (the empty one too), the losses summed
+            loss, worst = 0, {}
+            for r, xr in enumerate(xs):
+                yr, ar = moe(xr)
+                loss = loss + _probe(yr) + ar + moe.z_loss
+                if r == rank:
+                    ref_y = yr
+                    worst["aux"] = (aux - ar).abs().item()
+                    worst["z-loss"] = (ep.z_loss - moe.z_loss).abs().item()
+        loss.backward()
+        worst["output"] = (y - ref_y).abs().max().item() if len(y) else 0.0
+        worst["input grad"] = (x.grad - xs[rank].grad).abs().max().item() if len(x) else 0.0
+        replicated = list(zip(ep.router.parameters(), moe.router.parameters()))
+        replicated += list(zip(ep.shared.parameters(), moe.shared.parameters()))
+        for i, (p, q) in enumerate(replicated):
+            grad = p.grad.clone()
+            dist.all_reduce(grad)               # NaN on one rank would be NaN on every rank
+            worst[f"replicated parameter {i} grad"] = (grad - q.grad).abs().max().item()
+        for i, expert in enumerate(ep.experts):
+            for (pname, p), q in zip(expert.named_parameters(),
+                                     moe.experts[ep.first + i].parameters()):
+                worst[f"expert {ep.first + i} {pname} grad"] = (p.grad - q.grad).abs().max().item()
+        errors[name] = (worst, sizes[rank])
     return errors
 
 
@@ -332,7 +397,7 @@ def test_expert_parallel_equals_single_process(world_size, experts_per_rank):
                                      f" {what} differs by {err:.3g}")
     if world_size in (2, 3) and experts_per_rank == 2:
         modern = results[0]
-        assert set(MODERN) | {"training"} <= set(modern)
+        assert set(MODERN) | {"training"} | set(EMPTY) <= set(modern)
         # Global capacity: one capacity for the group's queue, computed from all 12N tokens
         # (ceil(0.75 * 12N * 2 / 2N) = 9), and no expert processes more, whatever N is.
         most, capacity = modern["global capacity, top-2"][1]
@@ -492,3 +557,14 @@ def test_global_batch_aux_is_the_whole_batch_loss():
     assert sum(load_balancing_loss(r) for r in routings).item() / 3 != pytest.approx(whole.item())
     with pytest.raises(ValueError, match="balance must be"):
         train_balancing(make_moe_model(), [], balance="per-rank")
+    # parts of 12, 7 and 0 tokens: each weighted by its share of the tokens (T_part · 3 / T), the
+    # mean over the parts is still the whole batch's loss; the empty part adds 0, not 0/0
+    parts = [_tokens(0), _tokens(1, 7), _tokens(2, 0)]
+    routings = [route(moe.router(p), 2) for p in parts]
+    total = sum(r.wanted() for r in routings)
+    mean = sum(load_balancing_loss(r, total, len(p) * 3 / 19) for r, p in zip(routings, parts)) / 3
+    whole = load_balancing_loss(route(moe.router(torch.cat(parts)), 2))
+    assert mean.item() == pytest.approx(whole.item(), abs=1e-14)
+    from distlab.moe import z_loss
+    empty = moe.router(parts[2])
+    assert load_balancing_loss(routings[2]).item() == z_loss(empty).item() == 0.0

@@ -29,7 +29,9 @@ Options beyond the plain layer (each proven equal to one process in tests/test_e
   rank before second choices, rank order, then token order): one process routing all the
   group's tokens at once does the same;
 - `balance_group`: the group whose load counts f the auxiliary loss uses (global-batch
-  balancing); None is the micro-batch's own;
+  balancing); None is the micro-batch's own. With a group, each rank's aux and z-loss are its
+  share of the group's batch: their mean over the group is one process's over all its tokens,
+  ranks with unequal or no tokens included. A rank with no token adds 0 either way;
 - shared experts are replicated like the router; the selection bias and expert-choice routing
   come from the layer (`distlab.moe`).
 
@@ -186,11 +188,18 @@ class ExpertParallelMoE(nn.Module):
     def _balancing_loss(self, routing):
         if self.balance_group is None:
             return load_balancing_loss(routing)
-        # Global-batch balancing: f counts every rank's choices (a count: no gradient to carry),
-        # P stays this rank's, so the mean over ranks equals the loss of the whole batch.
+        # Global-batch balancing: f counts every rank's choices (a count: no gradient to carry).
+        # P and the z-loss are means over the WHOLE batch's tokens, of which this rank holds
+        # T_r: its losses are its share (T_r · N / T, from the same counts: each token is counted
+        # once per slot), so their mean over the N ranks is the whole batch's loss also when the
+        # ranks hold unequal numbers of tokens, or none.
         wanted = routing.wanted()
         dist.all_reduce(wanted, group=self.balance_group)
-        return load_balancing_loss(routing, wanted)
+        # counted in Python ints: an integer tensor's true division is float32 (1e-8 off)
+        all_tokens = int(wanted.sum()) // routing.experts.shape[1]
+        share = len(routing.probs) * dist.get_world_size(self.balance_group) / max(all_tokens, 1)
+        self.z_loss = z_loss(routing.logits, share)
+        return load_balancing_loss(routing, wanted, share)
 
     def _route_with_group_capacity(self, tokens):
         # Learn every rank's choices and queue the whole group's assignments as one process

@@ -21,7 +21,8 @@ probability of e. It is 1 when the load is uniform and grows as the router favou
 f is a count (no gradient), so the gradient flows through P and lowers the probability of the
 experts that are overloaded. Add `coef · aux` (coef ~ 0.01) to the training loss. Passing the
 counts of a larger batch as `wanted` gives global-batch balancing (Qiu et al. 2025, "Demons in
-the detail"): f over the whole step, P over this micro-batch.
+the detail"): f over the whole step, P over this micro-batch, weighted by its share of the
+step's tokens. A batch with no token has no balancing loss and no z-loss (0, not 0/0).
 
 The modern refinements, each an option of the same layer:
 - aux-loss-free balancing (DeepSeek-V3, Wang et al. 2024): a per-expert `selection_bias` added
@@ -124,22 +125,29 @@ def expert_choice_route(logits, capacity_factor=1.0):
     return Routing(probs, experts, probs, keep, capacity, logits)
 
 
-def load_balancing_loss(routing, wanted=None):
+def load_balancing_loss(routing, wanted=None, share=1.0):
     """Switch Transformer's auxiliary loss E · Σ f_e P_e: 1 for a uniform load, up to E.
 
     wanted: the per-expert counts f is taken from (default: this batch's). Pass the counts of the
     whole global batch (summed over micro-batches and data-parallel ranks) for global-batch
-    balancing; P stays this batch's mean probability, which carries the gradient."""
+    balancing; P stays this batch's mean probability, which carries the gradient, weighted by
+    `share`: this batch's tokens over the mean part's (T_here · parts / T_all), so that the mean
+    over the parts is the whole batch's loss however its tokens were split. A batch with no token
+    adds 0: it has nothing to balance, and its mean probability would be 0/0."""
+    if not len(routing.probs):
+        return routing.probs.sum()                 # 0, and a zero gradient for the router
     wanted = routing.wanted() if wanted is None else wanted
     f = wanted.to(routing.probs.dtype) / wanted.sum()
-    p = routing.probs.mean(dim=0)
+    p = routing.probs.mean(dim=0) * share
     return routing.n_experts * (f * p).sum()
 
 
-def z_loss(logits):
+def z_loss(logits, share=1.0):
     """ST-MoE's router z-loss (Zoph et al. 2022, eq. 5): mean over tokens of logsumexp(logits)².
-    It is zero-gradient in the probabilities and only shrinks the logits' scale."""
-    return logits.logsumexp(dim=-1).square().mean()
+    It is zero-gradient in the probabilities and only shrinks the logits' scale. `share` as in
+    load_balancing_loss (this batch's part of a larger batch's mean); no token adds 0."""
+    squares = logits.logsumexp(dim=-1).square()
+    return squares.mean() * share if len(squares) else squares.sum()
 
 
 def update_selection_bias(bias, load, rate):
