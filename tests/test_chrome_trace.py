@@ -268,6 +268,36 @@ def test_one_ranks_file_of_a_big_job_reads_alone():
     assert t.overlap(34)["comm"] > 0
 
 
+def test_peers_inside_a_subgroup_are_global_ranks_or_unknown(tmp_path):
+    # A real 4-rank profile (tests/data/profiler_subgroups): groups [0, 2] and [1, 3], rank 0
+    # sends to 2 and rank 1 to 3 (group-local peer 1), ranks 2 and 3 receive (group-local src 0).
+    # gloo's events do not say which group; the file lists the rank's groups. Before, every peer
+    # went through the default group: 0 -> 1, 1 -> 1 (itself), 3 <- 0, three wrong ranks.
+    t = from_profiler(DATA.parent / "profiler_subgroups")
+    truth = {0: ("send", 2), 1: ("send", 3), 2: ("recv", 0), 3: ("recv", 1)}
+    peers = []
+    for rank, (op, peer) in truth.items():
+        (e,) = t.comm(rank, op=op)
+        assert (e["tag"], e["bytes"]) == (7, 20) and e["peer"] in (peer, None)   # never wrong
+        peers.append(e["peer"])
+    # 1: local 1 is itself in the default group, so [1, 3]; 2: local 0 is rank 0 in both groups;
+    # 0 and 3: the two groups give two ranks, the file cannot tell which
+    assert peers == [None, 3, 0, None]
+    assert t.matrix()[1][3] == 20 and sum(map(sum, t.matrix())) == 20
+    check_chrome(json.loads(Path(t.to_chrome(tmp_path / "sub.json")).read_text()))
+    # where an event names its group (as NCCL's do), the peer goes through that group
+    doc = json.loads((DATA.parent / "profiler_subgroups" / "rank0.pt.trace.json").read_text())
+    send = next(e for e in doc["traceEvents"] if e.get("name") == "c10d::send")
+    send["args"]["Process Group Name"] = "1"                 # pg_config: "1" is [0, 2]
+    (tmp_path / "named.json").write_text(json.dumps(doc))
+    (e,) = from_profiler([tmp_path / "named.json"]).comm(0, op="send")
+    assert (e["peer"], e["group"]) == (2, (0, 2))
+    # a file that lists no groups cannot tell either
+    del send["args"]["Process Group Name"], doc["distributedInfo"]["pg_config"]
+    (tmp_path / "bare.json").write_text(json.dumps(doc))
+    assert from_profiler([tmp_path / "bare.json"]).comm(0, op="send")[0]["peer"] is None
+
+
 def test_a_ddp_profile_becomes_the_courses_trace(shipped):
     params = sum(p.numel() for p in models.make_mlp(SHIPPED_SIZES).parameters())
     assert shipped.world_size == 2 and shipped.source.startswith("torch.profiler")

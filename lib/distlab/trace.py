@@ -150,7 +150,8 @@ class Trace:
         """bytes[src][dst] sent by point-to-point calls (collectives are not split into messages)."""
         m = [[0] * self.world_size for _ in range(self.world_size)]
         for e in self.comm(op="send"):
-            m[e["rank"]][e["peer"]] += e["bytes"]
+            if e["peer"] is not None:        # a profiler trace may not tell a send's peer
+                m[e["rank"]][e["peer"]] += e["bytes"]
         return m
 
     # -- time ------------------------------------------------------------------------------------

@@ -14,12 +14,12 @@ BYTES_ARG = dict(allgather=(1, True), allgather_coalesced=(1, True),
                  reduce_scatter_tensor_coalesced=(1, False))
 
 
-def _cpu(doc, xs, group, sec):
+def _cpu(doc, xs, groups, sec):
     names = _thread_names(doc)
     transfers = [e for e in xs if e["name"].startswith("gloo:")]
     launches = [e for e in xs if e["name"].startswith("c10d::")]
     workers = {tid for tid, name in names.items() if "gloo" in name}
-    events = _pair(launches, transfers, group, sec)
+    events = _pair(launches, transfers, groups, sec)
     comm_by_thread = defaultdict(list)
     for e in transfers + launches:
         comm_by_thread[e["tid"]].append((e["ts"], e["ts"] + e.get("dur", 0)))
@@ -51,7 +51,7 @@ def _thread_names(doc):
     return names
 
 
-def _pair(launches, transfers, group, sec):
+def _pair(launches, transfers, groups, sec):
     """One event per communication call: each gloo transfer (in the order they started) with the
     earliest unpaired c10d launch before it that has a tensor of its size (gloo runs its work in
     launch order, on two worker threads, so sizes tell apart two calls in flight together)."""
@@ -68,10 +68,10 @@ def _pair(launches, transfers, group, sec):
             used.add(pick)
             paired[i] = launches[pick]
     for t, launch in zip(transfers, paired):
-        events.append(_gloo_event(t, launch, group, sec))
+        events.append(_gloo_event(t, launch, groups, sec))
     for j, launch in enumerate(launches):          # launched, its transfer not in the trace
         if j not in used:
-            e = _gloo_event(None, launch, group, sec)
+            e = _gloo_event(None, launch, groups, sec)
             if e is not None:
                 events.append(e)
     events.sort(key=lambda e: e["launch"])
@@ -117,7 +117,7 @@ def _arg_bytes(args, index, itemsize):
     return numel(dims[index]) * size
 
 
-def _gloo_event(transfer, launch, group, sec):
+def _gloo_event(transfer, launch, groups, sec):
     t_args = (transfer or {}).get("args") or {}
     l_args = (launch or {}).get("args") or {}
     types = t_args.get("Input type") or []
@@ -129,6 +129,7 @@ def _gloo_event(transfer, launch, group, sec):
         if transfer is None:
             return None                  # a c10d call that is not communication (e.g. a wait)
         op = transfer["name"].removeprefix("gloo:")
+    group = groups.of(l_args)
     n = len(group) if group else 1
     itemsize = ITEMSIZE.get(dtype, 4)
     nbytes = 0
@@ -148,9 +149,7 @@ def _gloo_event(transfer, launch, group, sec):
         if method.rstrip("_") == "recv_any_source":
             tag = scalars[0] if scalars else None
         elif len(scalars) >= 2:
-            peer, tag = scalars[0], scalars[1]
-            if peer is not None and group and peer < len(group):
-                peer = group[peer]
+            peer, tag = groups.peer(l_args, scalars[0]), scalars[1]
     start = sec(transfer["ts"]) if transfer else None
     end = sec(transfer["ts"] + transfer.get("dur", 0)) if transfer else None
     return _event(op, start, end, launch=sec(launch["ts"]) if launch else start,

@@ -1,6 +1,7 @@
 """From a job's profiler files to the course's Trace, rank by rank."""
-from .files import _base_us, _default_group, _files, _load, _rank_of, _slices, _t0
+from .files import _base_us, _files, _load, _rank_of, _slices, _t0
 from .gloo import _cpu
+from .groups import Groups
 from .gpu import GPU_CATS, _gpu
 
 
@@ -46,12 +47,12 @@ def _read_rank(doc, rank, origin):
         return (ts + base - origin) / 1e6
 
     xs = _slices(doc)
-    group = _default_group(doc)
+    groups = Groups(doc, rank)
     gpu = [e for e in xs if e.get("cat") in GPU_CATS]
     if gpu:
-        events, spans, memory = _gpu(gpu, group, sec)
+        events, spans, memory = _gpu(gpu, groups, sec)
     else:
-        events, spans, memory = _cpu(doc, xs, group, sec)
+        events, spans, memory = _cpu(doc, xs, groups, sec)
     ends = [e["end"] for e in events if e["end"] is not None] + [s["end"] for s in spans]
     ends += [b for _, b in memory]
     return dict(rank=rank, events=events, spans=spans, memory=memory, gpu=bool(gpu),
