@@ -677,3 +677,63 @@ def test_dualpipe_at_real_size_is_the_simulators_schedule():
     assert 0 < ps.bubble_fraction(events) < ps.bubble_fraction(
         ps.simulate(ps.dualpipe_v(p, m), m, mean["F"] / 2, (mean["I"] + mean["W"]) / 2,
                     mean["W"] / 2, comm=message))
+
+
+# ---- a layer used twice, a weight tied inside a stage, a frozen layer ------------------------------
+
+class _Twice(nn.Module):
+    """One Linear applied twice: its weight's gradient has two products, one per use."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class _Tied(nn.Module):
+    """Two Linears sharing one weight (tying inside a stage); the second one's bias frozen."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+        self.b.weight = self.a.weight
+        self.b.bias.requires_grad_(False)
+
+    def forward(self, x):
+        return self.b(F.gelu(self.a(x)))
+
+
+def _split_backward(part, x, grad):
+    """ZB's I then W on one piece, as PipelineStage runs them: x's gradient and .grad."""
+    from distlab.pipeline_parallel import _input_gradients, _weight_gradients, _weight_inputs
+    with _weight_inputs(part) as layers:
+        out = part(x)
+    s = {"inp": x, "out": out, "grad": grad, "layers": layers}
+    _input_gradients(s)
+    _weight_gradients(part, s)
+    return x.grad
+
+
+def test_split_backward_is_exact_with_a_layer_used_twice_and_a_tied_weight():
+    """I's gradients at the layer outputs are totals; W must take each use's own product only
+    (walking from the second use back into the first counted the first twice)."""
+    from distlab.pipeline_parallel import _vjp_root
+    torch.manual_seed(0)
+    part = nn.Sequential(nn.Linear(5, 6), _Twice(6), _Tied(6), nn.Linear(6, 3)).double()
+    part[3].weight.requires_grad_(False)
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(4, 3, dtype=torch.float64)
+    _vjp_root(part(x), grad).backward()
+    full = {n: q.grad for n, q in part.named_parameters()}
+    full_x = x.grad
+    for q in part.parameters():
+        q.grad = None
+    x = x.detach().requires_grad_()
+    split_x = _split_backward(part, x, grad)
+    torch.testing.assert_close(split_x, full_x, rtol=1e-12, atol=1e-14)
+    for n, q in part.named_parameters():
+        assert (q.grad is None) == (full[n] is None), n
+        torch.testing.assert_close(q.grad, full[n], rtol=1e-12, atol=1e-14,
+                                   msg=lambda m, n=n: f"{n}: {m}")

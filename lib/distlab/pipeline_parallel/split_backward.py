@@ -39,26 +39,68 @@ class _weight_inputs:
 
 
 def _weight_gradients(part, s):
-    """W: every weight's gradient from the gradient I left at its layer's output; a weight
-    whose layer output was not recorded (a module that returns a tuple) from the stage's
-    output instead, walking the graph again. Accumulated into .grad as autograd would."""
-    params = [q for q in part.parameters() if q.requires_grad]
-    done = set()
-    for (module, output), grad in zip(s.get("layers", []), s.get("layer_grads", [])):
-        own = [q for q in module.parameters(recurse=False) if q.requires_grad]
-        if grad is None or not own:
+    """W: every weight's gradient from the gradients I left at the layer outputs (the cuts),
+    accumulated into .grad as autograd would.
+
+    I's gradient at a cut is its total, every use below it included. So each cut contributes
+    only through the paths to a weight that cross no other cut: a layer used twice, or two
+    layers sharing a weight, has its first use reached from the second use's cut too, and that
+    use is already the first cut's share (walking into it counted it twice). Cuts met on the way
+    are held at zero while another cut's share is taken. The stage's output is a cut as well,
+    so a weight used outside any recorded layer (a module that returns a tuple) still gets its
+    share, and every path from the loss to a weight is counted exactly once.
+    """
+    params = {id(q): q for q in part.parameters() if q.requires_grad}
+    cuts = [(o, g) for (_, o), g in zip(s.get("layers", []), s.get("layer_grads", []))]
+    if s["out"].requires_grad and not any(o is s["out"] for o, _ in cuts):
+        cuts.append((s["out"], s["grad"]))
+    cuts = [(o, g) for o, g in cuts if g is not None or o.dim() == 0]
+    if not params or not cuts:
+        return
+    edges = {_edge(o) for o, _ in cuts}
+    root = [None]
+
+    def only_from_root(o):
+        return lambda grad: None if root[0] is o else torch.zeros_like(grad)
+    handles = [o.register_hook(only_from_root(o)) for o, _ in cuts]
+    try:
+        for o, g in cuts:
+            mine = _reachable(_edge(o)[0], edges, params)
+            if not mine:
+                continue
+            root[0] = o
+            for q, dq in zip(mine, torch.autograd.grad(o, mine, g, retain_graph=True,
+                                                       allow_unused=True)):
+                if dq is not None:
+                    q.grad = dq if q.grad is None else q.grad + dq
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _edge(t):
+    """Where autograd's graph receives t's gradient: (node, input number), as next_functions
+    names it (a GradientEdge also carries a token that next_functions' pairs do not)."""
+    edge = torch.autograd.graph.get_gradient_edge(t)
+    return edge.node, edge.output_nr
+
+
+def _reachable(node, cuts, params):
+    """The parameters (of `params`, by id) that autograd's graph reaches from `node` without
+    passing through an edge in `cuts`."""
+    found, seen, todo = {}, set(), [node]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
             continue
-        for q, g in zip(own, torch.autograd.grad(output, own, grad, retain_graph=True,
-                                                 allow_unused=True)):
-            if g is not None:
-                q.grad = g if q.grad is None else q.grad + g
-        done.update(id(q) for q in own)
-    rest = [q for q in params if id(q) not in done]
-    if rest and s["out"].requires_grad:
-        grads = torch.autograd.grad(_vjp_root(s["out"], s["grad"]), rest, allow_unused=True)
-        for q, g in zip(rest, grads):
-            if g is not None:
-                q.grad = g if q.grad is None else q.grad + g
+        seen.add(node)
+        leaf = getattr(node, "variable", None)           # an AccumulateGrad: a leaf tensor
+        if leaf is not None:
+            if id(leaf) in params:
+                found[id(leaf)] = leaf
+            continue
+        todo += [n for n, nr in node.next_functions if n is not None and (n, nr) not in cuts]
+    return list(found.values())
 
 
 def _vjp_root(out, grad):
