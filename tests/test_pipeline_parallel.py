@@ -737,3 +737,74 @@ def test_split_backward_is_exact_with_a_layer_used_twice_and_a_tied_weight():
         assert (q.grad is None) == (full[n] is None), n
         torch.testing.assert_close(q.grad, full[n], rtol=1e-12, atol=1e-14,
                                    msg=lambda m, n=n: f"{n}: {m}")
+
+
+class _SharedNet(nn.Module):
+    """Every piece of a 2-, 4- or 6-way cut holds a layer used twice or a tied weight; a frozen
+    Linear and a frozen bias (their gradients stay None, as in one process)."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            frozen = nn.Linear(8, 8).requires_grad_(False)
+            self.net = nn.Sequential(nn.Linear(SIZES[0], 8), _Twice(8), _Tied(8), frozen,
+                                     _Twice(8), _Tied(8), nn.Linear(8, SIZES[-1]))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+# every schedule generator, and its chunks per stage
+_ALL = {"GPipe": (ps.gpipe, 1), "1F1B": (ps.one_f_one_b, 1), "ZB-H1": (ps.zb_h1, 1),
+        "interleaved 1F1B": (lambda p, m: ps.interleaved_1f1b(p, m, 2), 2),
+        "ZB-V": (ps.zb_v, 2), "DualPipeV": (ps.dualpipe_v, 2), "DualPipe": (ps.dualpipe, 1)}
+
+
+def _shared_and_frozen(rank, world_size, batches, m):
+    return {name: pp.train(rank, world_size, make, _SharedNet(), batches, m, (SIZES[0],), v=v,
+                           lr=LR, dtype=torch.float64)
+            for name, (make, v) in _ALL.items() if name != "DualPipe" or world_size % 2 == 0}
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_every_schedule_is_exact_with_shared_and_frozen_weights(p):
+    """A layer used twice and a weight tied inside a stage (the split backward's W counted the
+    first use twice), a frozen layer through train (it cloned a None gradient), and DualPipe's
+    summed copies (a frozen gradient became zeros): every schedule equals one process in
+    float64 - loss, every gradient with its None-ness, every weight after each step."""
+    x, y = regression_data(64, SIZES[0], SIZES[-1], seed=1)
+    batches = batches_of(x, y, 23, 2)                      # unequal micro-batches
+    model = _SharedNet().double()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    expected = []
+    for bx, by in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(bx.double()), by.double())
+        loss.backward()
+        grads = {f"net.{n}": None if q.grad is None else q.grad.clone()
+                 for n, q in model.net.named_parameters()}
+        opt.step()
+        expected.append(dict(loss=loss.item(), grads=grads, params={
+            f"net.{n}": q.detach().clone() for n, q in model.net.named_parameters()}))
+    assert sum(g is None for g in expected[0]["grads"].values()) == 4     # frozen: 2 + 2 biases
+    got = distlab.run(_shared_and_frozen, p, batches, 2 * p, timeout=120)
+    for name in got[0]:
+        copies = 2 if name == "DualPipe" else 1                # DualPipe holds every piece twice
+        names = sorted(n for r in got for n in r[name][0]["grads"])
+        assert names == sorted(copies * list(expected[0]["grads"])), name
+        for step, exp in enumerate(expected):
+            where = f"{name} at p={p}, step {step}"
+            losses = [r[name][step]["loss"] for r in got if r[name][step]["loss"] is not None]
+            assert len(losses) == copies, where
+            for loss in losses:
+                assert loss == pytest.approx(exp["loss"], rel=1e-12, abs=1e-14), where
+            for r in got:
+                for n, g in r[name][step]["grads"].items():
+                    assert (g is None) == (exp["grads"][n] is None), \
+                        f"{where}: gradient of {n} is {g!r:.20}, one process's {exp['grads'][n]!r:.20}"
+                    torch.testing.assert_close(g, exp["grads"][n], rtol=1e-12, atol=1e-14,
+                                               msg=lambda m, n=n: f"{where}: gradient of {n}: {m}")
+                    torch.testing.assert_close(r[name][step]["params"][n], exp["params"][n],
+                                               rtol=1e-12, atol=1e-14,
+                                               msg=lambda m, n=n: f"{where}: {n}: {m}")

@@ -37,12 +37,14 @@ def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, 
         loss = stage.step(actions, x, y, n_microbatches, loss_fn)
         if dual:
             loss = sum_dual_copies(stage, loss)
-        grads = {n: p.grad.clone() for n, p in named}
+        # a frozen (or unused) weight has no gradient, as in one process: None, not zeros
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in named}
         with torch.no_grad():
             # Plain SGD, as torch.optim.SGD computes it; each stage updates only its own layers.
             # (Building a torch.optim optimizer imports torch._dynamo: seconds in a fresh rank.)
             for p in stage.parameters():
-                p.add_(p.grad, alpha=-lr)
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-lr)
         out.append(dict(loss=None if loss is None else loss.item(), grads=grads,
                         params={n: p.detach().clone() for n, p in named},
                         timeline=stage.timeline, peak_bytes=stage.peak_activation_bytes,
@@ -54,28 +56,33 @@ def sum_dual_copies(stage, loss=None):
     """DualPipe holds every piece twice: stage r's chunk 0 and stage p - 1 - r's chunk 1 are
     the same layers, each with the gradient of the micro-batches that crossed it. Swap them with
     the partner stage and add, so both copies hold the whole gradient (and take the same step);
-    the two ends' partial losses are summed the same way. Returns the loss on stages 0 and
-    p - 1, else None."""
+    the two ends' partial losses are summed the same way. A weight that has a gradient on
+    neither copy (frozen, or unused) keeps None, as one process leaves it. Returns the loss on
+    stages 0 and p - 1, else None."""
     partner = stage.p - 1 - stage.rank
     peer = dist.get_global_rank(stage.group, partner) if stage.group else partner
-    mine = [q.grad if q.grad is not None else torch.zeros_like(q)
-            for c in (0, 1) for q in stage.chunks[c].parameters()]
+    params = [list(stage.chunks[c].parameters()) for c in (0, 1)]
     ends = stage.rank in (0, stage.p - 1)
-    if ends:
-        mine.append(torch.zeros((), dtype=stage.dtype) if loss is None else loss.detach())
-    flat = torch.cat([g.reshape(-1) for g in mine])
-    theirs = torch.empty_like(flat)
-    send = dist.isend(flat, dst=peer, group=stage.group)
+    where = dict(dtype=stage.dtype, device=device())
+
+    def flat(tensors):
+        return torch.cat([t.reshape(-1) for t in tensors] + [torch.zeros(0, **where)])
+    # ours: chunk 0's gradients, chunk 1's, which of them exist (1) or are None (0), the loss
+    parts = [flat(q.grad if q.grad is not None else torch.zeros_like(q) for q in qs)
+             for qs in params]
+    parts += [torch.tensor([float(q.grad is not None) for q in qs], **where) for qs in params]
+    parts.append(torch.zeros(int(ends), **where) if loss is None else loss.detach().reshape(-1))
+    mine = torch.cat(parts)
+    theirs = torch.empty_like(mine)
+    send = dist.isend(mine, dst=peer, group=stage.group)
     dist.recv(theirs, src=peer, group=stage.group)
     send.wait()
-    sizes = [g.numel() for g in mine]
-    ours = sum(q.numel() for q in stage.chunks[0].parameters())    # our chunk 0's numbers
-    both = flat.numel() - ends
-    # our chunk 0 is the partner's chunk 1 and vice versa: its two parts, swapped
-    theirs = torch.cat([theirs[both - ours:both], theirs[:both - ours], theirs[both:]])
-    for g, t in zip(mine, theirs.split(sizes)):
-        g.add_(t.view_as(g))
-    params = [q for c in (0, 1) for q in stage.chunks[c].parameters()]
-    for q, g in zip(params, mine):
-        q.grad = g
-    return mine[-1] if ends else None
+    # the partner's chunk 1 is our chunk 0 and vice versa: its parts, each pair swapped
+    a, b, fa, fb, their_loss = theirs.split([len(parts[1]), len(parts[0]), len(parts[3]),
+                                             len(parts[2]), len(parts[4])])
+    for qs, ours, got, flags, their_flags in ((params[0], parts[0], b, parts[2], fb),
+                                              (params[1], parts[1], a, parts[3], fa)):
+        total = (ours + got).split([q.numel() for q in qs])
+        for q, g, f, tf in zip(qs, total, flags.tolist(), their_flags.tolist()):
+            q.grad = g.view_as(q).clone() if f or tf else None
+    return parts[4][0] + their_loss[0] if ends else None
