@@ -238,3 +238,14 @@ def test_bad_calls_to_the_hardware_model_are_refused_in_one_sentence(call, words
         call()
     message = str(info.value)
     assert "\n" not in message and message.endswith(".")
+
+
+def test_an_op_without_a_matmul_shape_never_costs_less_for_more_flops():
+    """Found by tests/test_model_properties.py: the square GEMM was read from FLOPs per byte, so
+    on 1 MB of bf16 an op of 33 MFLOP cost 15.6 µs and one of 67 MFLOP the 10 µs floor. Now the
+    square GEMM of the same FLOPs: a matmul of that shape costs what its own shape costs."""
+    small, large = (H100.seconds(f, 1e6, torch.bfloat16) for f in (3.3e7, 6.7e7))
+    assert H100.floor <= small <= large
+    d = 1024
+    assert H100.seconds(2.0 * d**3, 2 * 3 * d * d, torch.bfloat16) == \
+        pytest.approx(H100.gemm_seconds(d, d, d), rel=1e-12)

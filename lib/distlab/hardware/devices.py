@@ -16,7 +16,7 @@ Device — one op costs
   350 TFLOP/s on an H100, 2048×1024×2048 (twice the output tiles) 523 (OpenXLA's measured
   table). The emulator reads m, n, k from a matmul's arguments (`seconds(..., mnk=)`); an op
   with FLOPs but no matmul shape (attention, convolution) is charged as the square GEMM of the
-  same FLOPs and bytes (d = 3·itemsize·FLOPs / (2·bytes); m = n = k = d).
+  same FLOPs (m = n = k = d, 2·d³ = FLOPs), so that more FLOPs never cost less.
 """
 import math
 import numbers
@@ -123,10 +123,11 @@ class Device:
         compute = 0.0
         if flops:
             if mnk is None:
-                itemsize = torch.empty((), dtype=dtype).element_size() if dtype is not None else 4
-                d = 3.0 * itemsize * flops / (2.0 * nbytes) if nbytes else math.inf
-                eff = (self.gemm_best if d == math.inf or d <= 0
-                       else self.gemm_efficiency(d, d, d, dtype))
+                # The square GEMM of the same FLOPs (2·d³ = FLOPs): its time grows with them.
+                # A d read from FLOPs per byte let an op that computes more on the same bytes
+                # cost less (its efficiency rose faster than its work); no bytes: the asymptote.
+                d = max(1.0, (flops / 2.0) ** (1 / 3))      # at least a 1×1×1 GEMM
+                eff = self.gemm_efficiency(d, d, d, dtype) if nbytes else self.gemm_best
             else:
                 eff = self.gemm_efficiency(*mnk[:3], dtype, *mnk[3:])
             compute = flops / (self.peak(dtype) * eff)
