@@ -64,6 +64,10 @@ def all_gather_step(rank, step, world_size):
 # ---- helpers ------------------------------------------------------------------------------------
 
 def _rank_and_size(group):
+    if not dist.is_initialized():
+        raise ValueError("these collectives run on ranks with a process group: call them "
+                           "inside a function started by distlab.run (or after "
+                           "dist.init_process_group).")
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError("this rank is not a member of the process group it was given.")
@@ -81,6 +85,14 @@ def _check_rank(name, value, n):
     return rank
 
 
+def _check_tensor(name, value):
+    """A collective carries torch tensors; anything else would fail deep inside torch."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got one of type {type(value).__name__}. "
+                        f"Convert it first, e.g. torch.as_tensor(x).")
+    return value
+
+
 def _contiguous(tensor):
     """`tensor` itself if its elements are laid out in order, else a contiguous copy of it.
 
@@ -88,6 +100,7 @@ def _contiguous(tensor):
     tensor (a matrix column, a transposed matrix) are not such blocks. A collective works on the
     copy and `_write_back` puts the result into the caller's tensor.
     """
+    _check_tensor("tensor", tensor)
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
@@ -98,14 +111,15 @@ def _write_back(buf, tensor):
 
 
 def _op_name(op):
-    name = _FROM_REDUCE_OP.get(op, op)
-    if name not in _COMBINE:
+    name = _FROM_REDUCE_OP.get(op, op) if isinstance(op, (str, dist.ReduceOp)) else op
+    if not isinstance(name, str) or name not in _COMBINE:
         raise ValueError(f"op must be one of {sorted(_COMBINE)} (or the matching dist.ReduceOp); "
                          f"got {op!r}.")
     return name
 
 
 def _check_mean(tensor, op):
+    _check_tensor("tensor", tensor)
     if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(f"op='mean' needs a floating-point tensor, but got {tensor.dtype}: "
                         f"the average of whole numbers is generally not a whole number.")
@@ -156,6 +170,25 @@ def _ring_all_gather_(flat, bounds, group):
         _exchange(flat[s0:s1], right, flat[r0:r1], left, group)
 
 
+def _check_all_to_all(output_list, input_list, rank, n):
+    """One tensor per rank each way; this rank's own pair must match, since copy_ would
+    broadcast a smaller input or convert a dtype without a word."""
+    for name, tensors in (("input_list", input_list), ("output_list", output_list)):
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"all_to_all takes {name} as a list of tensors, one per rank; got a "
+                            f"{type(tensors).__name__}.")
+        for t in tensors:
+            _check_tensor(f"every element of {name}", t)
+    if len(input_list) != n or len(output_list) != n:
+        raise ValueError(f"all_to_all needs one input and one output tensor per rank ({n}); got "
+                         f"{len(input_list)} inputs and {len(output_list)} outputs.")
+    mine, into = input_list[rank], output_list[rank]
+    if mine.shape != into.shape or mine.dtype != into.dtype:
+        raise ValueError(f"rank {rank} keeps input_list[{rank}] in output_list[{rank}], so they "
+                         f"must have the same shape and dtype; got {tuple(mine.shape)} {mine.dtype} "
+                         f"and {tuple(into.shape)} {into.dtype}.")
+
+
 # ---- the collectives ----------------------------------------------------------------------------
 
 def ring_all_reduce(tensor, op="sum", group=None):
@@ -198,7 +231,7 @@ def ring_reduce_scatter(tensor, op="sum", group=None):
 def ring_all_gather(tensor, group=None):
     """The list of every rank's `tensor` (same shape on all ranks), in rank order, like dist.all_gather."""
     rank, n = _rank_and_size(group)
-    size = tensor.numel()
+    size = _check_tensor("tensor", tensor).numel()
     flat = torch.empty(n * size, dtype=tensor.dtype, device=tensor.device)
     flat[rank * size:(rank + 1) * size] = tensor.reshape(-1)
     _ring_all_gather_(flat, [(i * size, (i + 1) * size) for i in range(n)], group)
@@ -235,9 +268,7 @@ def all_to_all(output_list, input_list, group=None):
     receives two messages at once.
     """
     rank, n = _rank_and_size(group)
-    if len(input_list) != n or len(output_list) != n:
-        raise ValueError(f"all_to_all needs one input and one output tensor per rank ({n}); got "
-                         f"{len(input_list)} inputs and {len(output_list)} outputs.")
+    _check_all_to_all(output_list, input_list, rank, n)
     output_list[rank].copy_(input_list[rank])
     for step in range(1, n):
         dst, src = (rank + step) % n, (rank - step) % n

@@ -19,6 +19,7 @@ meta device (under emulation), and `predict_step` replays a one-rank BucketedDDP
 each bucket's all-reduce on N ranks' link: the step the code's critical path gives.
 """
 import contextlib
+import numbers
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from .trace import completed_at, now
 
 def shard_batch(x, rank, world_size):
     """Rank `rank`'s contiguous slice of a global batch; the batch must divide evenly."""
+    _check_rank_of(rank, world_size)
     if len(x) % world_size:
         raise ValueError(
             f"a global batch of {len(x)} samples does not split evenly over {world_size} ranks; "
@@ -37,10 +39,34 @@ def shard_batch(x, rank, world_size):
     return x[rank * per_rank:(rank + 1) * per_rank]
 
 
+def _check_rank_of(rank, world_size):
+    """A slice for a rank that does not exist would be empty, or another rank's: refuse it."""
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be a whole number; got {value!r}.")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be one of 0..world_size-1 with world_size >= 1; got rank "
+                         f"{rank} of world_size {world_size}.")
+
+
+def _check_module(model, what):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{what} takes the model, a torch.nn.Module; got a "
+                        f"{type(model).__name__}.")
+
+
+def _check_src(src, group):
+    n = dist.get_world_size(group)
+    if isinstance(src, bool) or not isinstance(src, numbers.Integral) or not 0 <= src < n:
+        raise ValueError(f"src must be a rank of the group, 0 to {n - 1}; got {src!r}.")
+
+
 # ---- naive data parallel ---------------------------------------------------------------------------
 
 def broadcast_parameters(model, src=0, group=None):
     """Copy rank `src`'s parameters and buffers to every rank (replicas must start identical)."""
+    _check_module(model, "broadcast_parameters")
+    _check_src(src, group)
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(tensor, src=src, group=group)
@@ -48,6 +74,7 @@ def broadcast_parameters(model, src=0, group=None):
 
 def average_gradients(model, group=None):
     """After backward: replace every gradient by its mean over the ranks, one all_reduce each."""
+    _check_module(model, "average_gradients")
     world_size = dist.get_world_size(group)
     for p in model.parameters():
         if p.grad is not None:
@@ -57,6 +84,10 @@ def average_gradients(model, group=None):
 
 def max_replica_difference(model, group=None):
     """The largest |difference| between this rank's parameters and rank 0's (0.0: in sync)."""
+    _check_module(model, "max_replica_difference")
+    if not any(True for _ in model.parameters()):
+        raise ValueError("max_replica_difference compares parameters, and this model has none; "
+                         "pass the model whose replicas should agree.")
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     reference = flat.clone()
     dist.broadcast(reference, src=dist.get_global_rank(group, 0) if group else 0, group=group)
@@ -103,8 +134,10 @@ class BucketedDDP(nn.Module):
 
     def __init__(self, module, bucket_cap_mb=25.0, overlap=True, group=None, broadcast=True):
         super().__init__()
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be a positive number of MiB; got {bucket_cap_mb}.")
+        _check_module(module, "BucketedDDP")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+                or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB; got {bucket_cap_mb!r}.")
         self.module, self.overlap, self.group = module, overlap, group
         self.world_size = dist.get_world_size(group)
         if broadcast:

@@ -111,6 +111,9 @@ def _check_arguments(fn, world_size, timeout, backend, init, threads, env, trace
             raise ValueError(f"threads must be a positive whole number; got {threads!r}.")
     init = _flag(init, "init")
     trace = _flag(trace, "trace")
+    if env is not None and not isinstance(env, dict):
+        raise TypeError(f"env must be a dict of environment variables for the ranks, like "
+                        f"{{'NCCL_DEBUG': 'INFO'}}; got a {type(env).__name__}.")
     env = dict(env or {})
     for key, value in env.items():
         if not isinstance(key, str) or not isinstance(value, str):

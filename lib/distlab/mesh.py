@@ -16,6 +16,7 @@ This module does it three ways, and they agree:
 - PyTorch's `init_device_mesh`, read back as rank lists (`device_mesh`, `mesh_peer_groups`).
 """
 import math
+import operator
 
 import torch.distributed as dist
 
@@ -26,14 +27,19 @@ def check_mesh(shape, names=None, world_size=None):
     """`(shape, names)` as tuples, or a one-sentence ValueError saying what is wrong with them."""
     if isinstance(shape, int):
         shape = (shape,)
-    shape = tuple(shape)
-    if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else shape
+    if not isinstance(shape, tuple) or not shape or \
+            any(_whole(s) is None or _whole(s) < 1 for s in shape):
         raise ValueError(f"a mesh shape is a tuple of positive whole numbers, like (2, 4); "
                          f"got {shape!r}.")
+    shape = tuple(_whole(s) for s in shape)      # numpy integers as Python ints
     if names is None:
         names = tuple(f"dim{d}" for d in range(len(shape)))
     if isinstance(names, str):
         names = (names,)
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"mesh dimension names are strings, one per dimension, like "
+                         f"('dp', 'tp'); got {names!r}.")
     names = tuple(names)
     if len(names) != len(shape):
         raise ValueError(f"a mesh of shape {shape} needs {len(shape)} dimension name(s), "
@@ -46,12 +52,26 @@ def check_mesh(shape, names=None, world_size=None):
     return shape, names
 
 
+def _whole(x):
+    """x as a Python int if it is a whole number (numpy's too, not a bool), else None."""
+    if isinstance(x, bool) or type(x).__name__ in ("bool_", "bool"):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
 def _dim(d, names):
     """A dimension given by name or by index, as an index."""
     if isinstance(d, str):
         if d not in names:
             raise ValueError(f"the mesh has no dimension {d!r}; its dimensions are {names}.")
         return names.index(d)
+    if _whole(d) is None:
+        raise ValueError(f"a mesh dimension is given by its name (one of {names}) or its index; "
+                         f"got {d!r}.")
+    d = _whole(d)
     if not -len(names) <= d < len(names):
         raise ValueError(f"the mesh has {len(names)} dimension(s); there is no dimension {d}.")
     return d % len(names)
@@ -60,8 +80,8 @@ def _dim(d, names):
 def coordinate(rank, shape):
     """Where `rank` sits in the mesh: its index along each dimension (row-major, last fastest)."""
     shape, _ = check_mesh(shape)
-    if not 0 <= rank < math.prod(shape):
-        raise ValueError(f"rank {rank} is not in a mesh of shape {shape} "
+    if _whole(rank) is None or not 0 <= rank < math.prod(shape):
+        raise ValueError(f"rank {rank!r} is not in a mesh of shape {shape} "
                          f"(ranks 0 to {math.prod(shape) - 1}).")
     coord = []
     for size in reversed(shape):
@@ -73,6 +93,10 @@ def coordinate(rank, shape):
 def rank_at(coord, shape):
     """The rank at a coordinate: the inverse of `coordinate`."""
     shape, _ = check_mesh(shape)
+    if not isinstance(coord, (tuple, list)) or len(coord) != len(shape) or \
+            any(_whole(c) is None or not 0 <= c < size for c, size in zip(coord, shape)):
+        raise ValueError(f"a coordinate in a mesh of shape {shape} is {len(shape)} whole "
+                         f"number(s), each from 0 to that dimension's size - 1; got {coord!r}.")
     rank = 0
     for c, size in zip(coord, shape):
         rank = rank * size + c

@@ -15,6 +15,7 @@ Sharding is per parameter: flattened, rank r owns elements [r*c, (r+1)*c) with c
 all_gather and reduce_scatter need equal sizes.
 """
 import math
+import numbers
 from collections import Counter
 
 import torch
@@ -31,6 +32,13 @@ _NOT_PER_ELEMENT = tuple(getattr(torch.optim, name) for name in
 
 def chunk_bounds(numel, world_size, rank):
     """[lo, hi) of the flattened parameter that `rank` owns."""
+    for name, value in (("numel", numel), ("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"chunk_bounds takes whole numbers; {name} is {value!r}.")
+    if numel < 0 or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"chunk_bounds needs numel >= 0, world_size >= 1 and a rank from 0 to "
+                         f"world_size - 1; got numel={numel}, world_size={world_size}, "
+                         f"rank={rank}.")
     c = math.ceil(numel / world_size)
     return min(rank * c, numel), min((rank + 1) * c, numel)
 
@@ -121,7 +129,12 @@ class ZeRO:
 
     def __init__(self, model, stage, group=None, optimizer=None, lr=None, *, optimizer_class=None,
                  prefetch=False, compute_dtype=None, reduce_dtype=None, **defaults):
-        if stage not in (1, 2, 3):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ZeRO wraps a model, a torch.nn.Module; got a {type(model).__name__}.")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError("ZeRO shards what training updates, and this model has no parameter "
+                             "with requires_grad=True; pass the model to train.")
+        if isinstance(stage, bool) or stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {stage!r}.")
         if prefetch and stage != 3:
             raise ValueError(f"prefetch gathers the next layer's parameters, which only stage 3 "
