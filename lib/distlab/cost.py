@@ -134,9 +134,6 @@ def predict(collective, nbytes, world_size, link):
     model (latency floor, per-step cost, achieved bus bandwidth), except for the naive
     all-reduce, which no library runs: that one is charged α-β with the link's message cost."""
     messages, volume = terms(collective, nbytes, world_size)
-    if not (hasattr(link, "alpha") and hasattr(link, "bandwidth")):
-        raise ValueError(f"link must be a distlab.cost.Link (cost.PRESETS has some) or a "
-                         f"distlab.hardware.Link; got {link!r}.")
     if hasattr(link, "seconds") and collective != "naive_all_reduce":
         return link.seconds(collective, nbytes, world_size)
     return messages * link.alpha + volume * link.beta

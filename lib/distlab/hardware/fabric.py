@@ -19,6 +19,7 @@ many nodes exist. `PRESETS` holds calibrated clusters; `DATASHEET` the same hard
 datasheet rates (no launch floor, GEMMs at peak, line-rate links), to show the gap.
 """
 import math
+import numbers
 from dataclasses import dataclass, replace
 
 from ..cost import TERMS, check_size
@@ -261,7 +262,8 @@ class Cluster:
         NCCL's cross-node latency and min(intra busbw, k × NIC busbw), with the members that
         each node actually holds (k: the NICs of the node with the fewest)."""
         ranks = list(ranks)
-        bad = [r for r in ranks if not isinstance(r, int) or isinstance(r, bool) or r < 0]
+        bad = [r for r in ranks
+               if not isinstance(r, numbers.Integral) or isinstance(r, bool) or r < 0]
         if not ranks or bad:
             raise ValueError(f"link_between needs the group's global ranks, at least one rank, "
                              f"each a whole number >= 0; got {bad[0] if bad else ranks!r}.")
