@@ -211,7 +211,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = grad * grad_loss.unsqueeze(-1)
         # where, not a product: the mean over no token sends an infinite grad_loss to rows that
         # must still get exactly 0, as torch's all-ignored batch does
-        grad = torch.where(ignored.unsqueeze(-1), torch.zeros((), dtype=grad.dtype), grad)
+        grad = torch.where(ignored.unsqueeze(-1), grad.new_zeros(()), grad)
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
