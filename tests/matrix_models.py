@@ -185,9 +185,9 @@ class BlockNet(nn.Module):
 
 
 def block_shape(feature, ws):
-    """(n_heads, d_model, hidden): one head per rank (two at ws 1); "uneven": 4 heads, which
-    3, 5 and 6 ranks cannot share; "empty": 1 head, which leaves a rank without one."""
-    heads = {"uneven": 4, "empty": 1}.get(feature, max(2, ws))
+    """(n_heads, d_model, hidden): one head per rank (two at ws 1); "uneven": ws + 1 heads,
+    which ws > 1 ranks cannot share; "empty": 1 head, which leaves a rank without one."""
+    heads = {"uneven": ws + 1, "empty": 1}.get(feature, max(2, ws))
     return heads, 2 * heads, 4 * heads
 
 

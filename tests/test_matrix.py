@@ -210,7 +210,8 @@ class _VocabNet(torch.nn.Module):
 def _vocab_case(strategy, feature, rank, ws, problems):
     from distlab.vocab_parallel import (ParallelLMHead, VocabParallelEmbedding,
                                         vocab_parallel_cross_entropy)
-    v = {"uneven": 2 * ws + 1, "empty": max(ws - 1, 3)}.get(feature, 2 * ws)
+    # uneven: padded rows on the last rank; empty: ws - 1 words, the last rank holds padding only
+    v = {"uneven": 2 * ws + 1, "empty": ws - 1 if ws > 1 else 3}.get(feature, 2 * ws)
     d, tied = 8, feature == "tied"
     ref = mm.seeded(0, lambda: _VocabNet(v, d, tied, feature == "frozen")).double()
     dense = mm.seeded(0, lambda: _VocabNet(v, d, tied, feature == "frozen")).double()
@@ -479,9 +480,9 @@ def _run_cells(rank, world_size, cells):
             error = (type(e).__name__, str(e), traceback.format_exc(limit=-3))
             store.add(f"matrix-raised-{index}", 1)
         # every rank reaches this point (a stuck one after CELL_TIMEOUT): did any raise?
-        store.add(f"matrix-done-{index}", 1)
-        while int(store.add(f"matrix-done-{index}", 0)) < world_size:
-            time.sleep(0.002)
+        if store.add(f"matrix-done-{index}", 1) == world_size:    # the last rank here
+            store.set(f"matrix-all-{index}", "1")
+        store.wait([f"matrix-all-{index}"])
         if int(store.add(f"matrix-raised-{index}", 0)):
             fresh_group(index)
         out.append(dict(problems=problems, held=held, error=error,
