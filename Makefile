@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.distlab-installed
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg --nbval-cell-timeout=300
 
-.PHONY: lab test test-portable regen exercises install bench gpu-check clean book test-browser
+.PHONY: lab test test-times test-portable regen exercises install bench gpu-check clean book test-browser
 
 install: $(STAMP)
 
@@ -34,6 +34,12 @@ WORKERS ?= 3
 test: $(STAMP) $(VENV)/.distlab-grading-installed
 	DISTLAB_NO_PROGRESS=1 $(PY) -m pytest tests notebooks $(NBVAL) --timeout=900 -q \
 		$(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
+
+# make test, then each file's wall seconds written to tests/budget_walls.json (the order in which
+# make test hands files to its workers: longest first). Run it on a quiet machine after a change
+# that moves a file's time by tens of seconds.
+test-times:
+	$(MAKE) test DISTLAB_BUDGET_SAVE=1
 
 # nbval again, under another CPU's rounding (tests/perturbed.env: ATen's scalar kernels, MKL's
 # portable code path): a stored output that prints round-off digits fails here as it would on the

@@ -22,6 +22,10 @@ import pytest
 
 BUDGET_S = 600  # the test-time issue's budget for `make test` on 2 cores
 KEY = "distlab_budget"
+# Each file's wall seconds in the last measured run (`make test-times` rewrites it). Only the
+# ORDER of the files comes from it: xdist hands files to workers in collection order, so the
+# longest start first and the run does not end with one worker alone on a long file.
+WALLS = os.path.join(os.path.dirname(__file__), "budget_walls.json")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -74,12 +78,27 @@ class Budget:
         self.tests = {}          # test id -> [cpu_s, wall_s] (in the JSON only)
         self.started = time.monotonic()
         self.procs = 0
+        self.busy = []           # each worker's seconds from its start to its last test's end
 
     def _add(self, key, cpu, wall, n=1):
         row = self.files.setdefault(key, [0.0, 0.0, 0])
         row[0] += cpu
         row[1] += wall
         row[2] += n
+
+    def pytest_collection_modifyitems(self, items):
+        try:
+            with open(WALLS) as f:
+                walls = json.load(f)
+        except (OSError, ValueError):
+            return
+        default = sorted(walls.values())[len(walls) // 2] if walls else 0
+        first = {}
+        for i, item in enumerate(items):
+            first.setdefault(item.nodeid.split("::")[0], i)
+        # files stay whole and in their own order inside (nbval's cells, module fixtures)
+        items.sort(key=lambda it: (-walls.get(it.nodeid.split("::")[0], default),
+                                   first[it.nodeid.split("::")[0]]))
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
@@ -93,7 +112,8 @@ class Budget:
     def pytest_sessionfinish(self, session):
         out = getattr(self.config, "workeroutput", None)
         if out is not None:  # an xdist worker: hand the figures to the controller
-            out[KEY] = json.dumps({"files": self.files, "tests": self.tests})
+            out[KEY] = json.dumps({"files": self.files, "tests": self.tests,
+                                   "busy": time.monotonic() - self.started})
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node, error):
@@ -102,6 +122,8 @@ class Budget:
         for key, (cpu, wall, n) in got.get("files", {}).items():
             self._add(key, cpu, wall, n)
         self.tests.update(got.get("tests", {}))
+        if "busy" in got:
+            self.busy.append(got["busy"])
 
     def pytest_terminal_summary(self, terminalreporter):
         if getattr(self.config, "workeroutput", None) is not None or not self.files:
@@ -116,7 +138,12 @@ class Budget:
         tr.write_line(
             f"total: {wall:.0f} s wall of the {BUDGET_S} s budget ({100 * wall / BUDGET_S:.0f} %), "
             f"{cpu:.0f} CPU-s in {len(self.files)} files and notebooks"
-            + (f" over {self.procs} workers" if self.procs else ""))
+            + (f" over {self.procs} workers (each busy {', '.join(f'{b:.0f}' for b in sorted(self.busy))} s)"
+               if self.procs else ""))
+        if os.environ.get("DISTLAB_BUDGET_SAVE"):
+            with open(WALLS, "w") as f:
+                json.dump({k: round(r[1]) for k, r in self.files.items()}, f, indent=0,
+                          sort_keys=True)
         path = os.environ.get("DISTLAB_BUDGET_JSON")
         if path:
             with open(path, "w") as f:
