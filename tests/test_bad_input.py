@@ -120,6 +120,16 @@ CASES = [
     ("zero-dtype", lambda: S.ZeRO(nn.Linear(2, 2), 1, compute_dtype=torch.int32), ValueError, ["compute_dtype"], True),
     # ---- layout
     ("layout-model", lambda: L.rank_layouts("GPT-9"), ValueError, ["unknown model"], False),
+    ("layout-model-tuple", lambda: L.price((7e9, 32, 4096), 1, 1, 1), ValueError, ["(n_params, layers, hidden, heads)"], False),
+    ("layout-nodes-0", lambda: L.rank_layouts("Llama-2 7B", nodes=0), ValueError, ["nodes", "at least 1"], False),
+    ("layout-nodes-float", lambda: L.rank_layouts("Llama-2 7B", nodes=1.5), TypeError, ["nodes", "whole number"], False),
+    ("layout-micro-batch-0", lambda: L.rank_layouts("Llama-2 7B", micro_batch=0), ValueError, ["micro_batch"], False),
+    ("layout-cps-0", lambda: L.rank_layouts("Llama-2 7B", cps=(0,)), ValueError, ["cps"], False),
+    ("layout-dp-0", lambda: L.price("Llama-2 7B", 0, 1, 8), ValueError, ["dp", "at least 1"], False),
+    ("layout-tp-heads", lambda: L.price("Llama-2 7B", 1, 1, 3), ValueError, ["tp=3", "32 attention heads"], False),
+    ("layout-cp-sequence", lambda: L.price("Llama-2 7B", 1, 1, 8, seq_len=4095, cp=2), ValueError, ["cp=2", "4095"], False),
+    ("layout-value-bytes", lambda: L.price("Llama-2 7B", 1, 1, 8, value_bytes=3), ValueError, ["value_bytes"], False),
+    ("layout-candidates-0", lambda: L.candidates(0, 8, 32, 32, 512, 1), ValueError, ["n_gpus"], False),
 ]
 
 

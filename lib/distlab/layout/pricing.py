@@ -6,6 +6,7 @@ import torch
 from .. import hardware, memory
 from ..emulate import comm_seconds
 from .layer_time import _cluster, _gemm_train, layer_seconds
+from .search import divisors, positive_whole
 from .shapes import _BF16, _recompute, model_flops, shape_of
 
 # DDP's default bucket (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25)
@@ -18,6 +19,24 @@ LOGIT_BYTES = 10
 # write master, m, v (12) and the bf16 weight (2). SGD (the course's train_step): read weight
 # and gradient, write the weight, in the training dtype.
 OPTIMIZER_BYTES = {"adam": 28, "sgd": 3}
+
+
+def _check_layout(shape, dp, pp, tp, cp, gpus_per_node, global_batch, seq_len, micro_batch,
+                  value_bytes):
+    """Refuse a layout the model cannot be cut into: its price would be computed on fractions
+    of heads or tokens (integer division rounds them away without a word)."""
+    for name, value in (("dp", dp), ("pp", pp), ("tp", tp), ("cp", cp),
+                        ("gpus_per_node", gpus_per_node), ("global_batch", global_batch),
+                        ("seq_len", seq_len), ("micro_batch", micro_batch)):
+        positive_whole(name, value)
+    if shape.heads % tp:
+        raise ValueError(f"tp={tp} does not divide the model's {shape.heads} attention heads; "
+                         f"choose a tp that does ({', '.join(map(str, divisors(shape.heads)))}).")
+    if seq_len % cp:
+        raise ValueError(f"cp={cp} does not divide the sequence of {seq_len} tokens; choose a "
+                         f"cp that does.")
+    if value_bytes not in (2, 4):
+        raise ValueError(f"value_bytes must be 2 (bf16) or 4 (fp32); got {value_bytes!r}.")
 
 
 def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, micro_batch=1,
@@ -44,6 +63,8 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     optimisation), else the whole activation from every tp rank (the course's train_step).
     `overlap_pp`: messages sent asynchronously (isend), hidden behind the next micro-batch."""
     shape, n = shape_of(model)
+    _check_layout(shape, dp, pp, tp, cp, gpus_per_node, global_batch, seq_len, micro_batch,
+                  value_bytes)
     cluster = _cluster(cluster, gpus_per_node, intra, inter)
     dev = cluster.device
     recompute = _recompute(checkpointing)

@@ -1,6 +1,6 @@
 """Every candidate layout priced and ranked; the ranking as text; the best one that fits."""
 from .pricing import price
-from .search import candidates
+from .search import candidates, positive_whole
 from .shapes import shape_of
 
 
@@ -9,7 +9,7 @@ def rank_layouts(model, nodes=4, gpus_per_node=8, global_batch=512, micro_batch=
     """Every candidate layout priced; those that fit in memory first, fastest first. `cps`: the
     context-parallel degrees to consider (1 alone: no context parallelism)."""
     shape, _ = shape_of(model)
-    n_gpus = nodes * gpus_per_node
+    n_gpus = positive_whole("nodes", nodes) * positive_whole("gpus_per_node", gpus_per_node)
     seq_len = kw.get("seq_len", 4096)
     v = kw.get("interleave", 1)
     rows = [price(model, dp, pp, tp, gpus_per_node, global_batch, micro_batch=micro_batch,

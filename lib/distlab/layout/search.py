@@ -1,4 +1,15 @@
 """Which (dp, pp, cp, tp) layouts exist for a number of GPUs, a model and a batch."""
+import numbers
+
+
+def positive_whole(name, value):
+    """`value` as an int, or a one-sentence error: a layout is counted in whole GPUs, layers,
+    samples; a float or zero would divide by zero or price a layout that cannot exist."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a whole number, like 4; got {value!r}.")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1; got {value}.")
+    return int(value)
 
 
 def divisors(n):
@@ -9,12 +20,19 @@ def candidates(n_gpus, gpus_per_node, layers, heads, global_batch, micro_batch, 
                seq_len=4096):
     """Every (dp, pp, cp, tp) that multiplies to n_gpus and splits the model, the batch and (for
     zig-zag ring attention) the sequence evenly."""
+    for name, value in (("n_gpus", n_gpus), ("gpus_per_node", gpus_per_node), ("layers", layers),
+                        ("heads", heads), ("global_batch", global_batch),
+                        ("micro_batch", micro_batch), ("seq_len", seq_len)):
+        positive_whole(name, value)
+    cps = tuple(dict.fromkeys(positive_whole("every context-parallel degree in cps", cp)
+                              for cp in cps))          # each degree once
     out = []
     for tp in divisors(n_gpus):
         if heads % tp or gpus_per_node % tp:      # tp stays inside one node
             continue
         for cp in cps:
-            if (n_gpus // tp) % cp or seq_len % (2 * cp):
+            # zig-zag cuts the sequence into 2·cp pieces; without cp (cp = 1) nothing is cut
+            if (n_gpus // tp) % cp or (cp > 1 and seq_len % (2 * cp)):
                 continue
             for pp in divisors(n_gpus // (tp * cp)):
                 dp = n_gpus // (tp * cp * pp)

@@ -31,6 +31,10 @@ def shape_of(model):
         return shape, memory.PRESETS[model][0]
     if isinstance(model, hardware.Transformer):
         return model, model.params()
+    if not isinstance(model, (tuple, list)) or len(model) != 4:
+        raise ValueError(f"model must be a preset name ({', '.join(sorted(SHAPES))}), a "
+                         f"distlab.hardware.Transformer, or (n_params, layers, hidden, heads); "
+                         f"got {model!r}.")
     n, layers, hidden, heads = model
     return hardware.Transformer(int(layers), int(hidden), int(heads), 4 * int(hidden), 0), n
 
