@@ -18,7 +18,8 @@ bidirectional DualPipe: every piece on two ranks, their gradients summed by `sum
 
 ZB's split backward works layer by layer, as production implementations do: `I` asks autograd
 for the input's gradient and the gradient at every layer output that feeds a weight (autograd
-then skips the weight-gradient products), `W` multiplies each by its layer's input.
+then skips the weight-gradient products), `W` multiplies each by its layer's input. A weight
+used twice (a layer applied twice, two layers tied) gets one product per use, each use's own.
 
 Real size: a model built on the meta device runs as is (shapes, no values) under emulation;
 `real_size_step` is a pipeline of Llama-2 7B blocks for the chapter's bubble at real size.
