@@ -148,3 +148,166 @@ def test_a_truncated_or_garbled_log_gets_a_sentence(text):
         busbw_table(log)
     except ValueError as e:
         assert "platform" in str(e)
+
+
+# ---- traces: written, then read back --------------------------------------------------------------
+
+from distlab.chrome_trace import to_chrome                       # noqa: E402
+from distlab.profiler_trace import from_chrome, from_profiler     # noqa: E402
+from distlab.trace import Trace                                   # noqa: E402
+
+NS = st.integers(0, 10**10).map(lambda n: n / 1e9)              # the export keeps ns
+OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "send", "recv"]
+
+
+@st.composite
+def _rank(draw, rank, world):
+    events = []
+    for seq in range(draw(st.integers(0, 5))):
+        op = draw(st.sampled_from(OPS))
+        launch = draw(NS)
+        seen = draw(st.booleans())
+        start = launch + draw(NS) if seen else None
+        end = start + draw(NS) if seen else None
+        p2p = op in ("send", "recv")
+        events.append(dict(
+            kind="comm", op=op, method=op, seq=seq,
+            group=draw(st.sampled_from([None, tuple(range(world))])),
+            peer=draw(st.one_of(st.none(), st.integers(0, world - 1))) if p2p else None,
+            tag=draw(st.one_of(st.none(), st.integers(0, 99))) if p2p else None,
+            bytes=draw(st.integers(0, 2**40)), dtype=draw(st.sampled_from([None, "float32"])),
+            launch=launch, start=start, end=end,
+            waited=draw(NS) if seen and draw(st.booleans()) else 0.0,
+            async_op=draw(st.booleans()), native=draw(st.booleans()),
+            label=draw(st.one_of(st.none(), st.text(min_size=1, max_size=8).map(lambda s: [s])))))
+    spans = [dict(kind="compute", name=draw(st.text(min_size=1, max_size=8)), start=a,
+                  end=a + draw(NS), flops=draw(st.one_of(st.none(), st.integers(0, 10**15))))
+             for a in draw(st.lists(NS, max_size=4))]
+    memory = [(a, a + draw(NS)) for a in draw(st.lists(NS, max_size=3))]
+    ends = [e["end"] for e in events if e["end"] is not None] + [s["end"] for s in spans]
+    ends += [b for _, b in memory]
+    return dict(rank=rank, events=events, spans=spans, memory=memory,
+                end=max(ends, default=0.0))
+
+
+@st.composite
+def _trace(draw):
+    world = draw(st.integers(1, 4))
+    return Trace([draw(_rank(r, world)) for r in range(world)])
+
+
+@FAST
+@given(trace=_trace())
+def test_a_trace_written_to_chrome_reads_back_the_same(tmp_path_factory, trace):
+    path = tmp_path_factory.mktemp("rt") / "t.json"
+    back = from_chrome(to_chrome(trace, path))
+    assert back.world_size == trace.world_size
+    for r in range(trace.world_size):
+        assert back.end(r) == pytest.approx(trace.end(r), abs=2e-9)
+        for a, b in zip(trace.comm(r), back.comm(r), strict=True):
+            for key in ("op", "group", "peer", "tag", "bytes", "dtype", "async_op", "native",
+                        "label", "seq"):
+                if key in ("peer", "tag") and a["op"] not in ("send", "recv"):
+                    continue
+                assert a[key] == b[key], key
+            for key in ("launch", "start", "end", "waited"):
+                assert (a[key] is None) == (b[key] is None), key
+                if a[key] is not None:
+                    assert b[key] == pytest.approx(a[key], abs=2e-9), key
+        spans = sorted((s["name"], s["start"], s["end"], s["flops"]) for s in trace.compute(r))
+        back_spans = sorted((s["name"], s["start"], s["end"], s["flops"]) for s in back.compute(r))
+        assert [s[0] for s in spans] == [s[0] for s in back_spans]
+        assert all(x[1:] == pytest.approx(y[1:], abs=2e-9) for x, y in zip(spans, back_spans))
+        copies = sorted(tuple(m) for m in trace._ranks[r]["memory"])
+        back_copies = sorted(back._ranks[r]["memory"])
+        assert [x for m in back_copies for x in m] == pytest.approx(
+            [x for m in copies for x in m], abs=2e-9)
+        assert back.overlap(r) == pytest.approx(trace.overlap(r), abs=1e-8)
+
+
+KERNELS = {"compute": "sm90_xmma_gemm_bf16", "nccl": "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
+           "copy": "Memcpy DtoD (Device -> Device)", "set": "Memset (Device)"}
+
+
+@FAST
+@given(kernels=st.lists(st.tuples(st.sampled_from(sorted(KERNELS)), st.integers(0, 10**6),
+                                  st.integers(0, 10**4), st.integers(1, 2**20)),
+                        min_size=1, max_size=12),
+       base=st.integers(0, 2**50))
+def test_a_gpu_profile_reads_back_its_kernels(tmp_path_factory, kernels, base):
+    events = [dict(ph="X", cat={"copy": "gpu_memcpy", "set": "gpu_memset"}.get(kind, "kernel"),
+                   name=KERNELS[kind], pid=0, tid=7, ts=ts, dur=dur,
+                   args={"In msg nelems": n, "Out msg nelems": n, "dtype": "Float"})
+              for kind, ts, dur, n in kernels]
+    doc = dict(schemaVersion=1, baseTimeNanoseconds=base * 1000,
+               distributedInfo=dict(backend="nccl", rank=0, world_size=2), traceEvents=events)
+    path = tmp_path_factory.mktemp("gpu") / "rank0.json"
+    path.write_text(json.dumps(doc))
+    t = from_profiler(path)
+    t0 = min(ts for _, ts, _, _ in kernels)
+
+    def want(kinds):
+        return pytest.approx([x for ts, dur in sorted((ts, dur) for kind, ts, dur, _ in kernels
+                                                      if kind in kinds)
+                              for x in ((ts - t0) / 1e6, (ts + dur - t0) / 1e6)], abs=1e-12)
+
+    def flat(pairs):
+        return [x for p in sorted(pairs) for x in p]
+    assert flat((e["start"], e["end"]) for e in t.comm(0)) == want({"nccl"})
+    assert flat((s["start"], s["end"]) for s in t.compute(0)) == want({"compute"})
+    assert flat(t._ranks[0]["memory"]) == want({"copy", "set"})
+    assert sorted(e["bytes"] for e in t.comm(0)) == sorted(
+        4 * n for kind, _, _, n in kernels if kind == "nccl")
+
+
+# ---- traces: truncated or garbled ------------------------------------------------------------------
+
+SHIPPED = [DATA / "profiler_subgroups" / "rank1.pt.trace.json",
+           DATA / "profiler_ddp" / "rank0.pt.trace.json"]
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+                       lambda kids: st.lists(kids, max_size=4)
+                       | st.dictionaries(st.sampled_from(["ph", "ts", "dur", "pid", "tid", "name",
+                                                          "cat", "args", "traceEvents",
+                                                          "distributedInfo", "rank", "ranks",
+                                                          "pg_config", "world_size",
+                                                          "Concrete Inputs", "Input Dims",
+                                                          "otherData", "distlab"]),
+                                         kids, max_size=5),
+                       max_leaves=30)
+
+
+def _garbled(data):
+    """A shipped trace cut short, or with a stretch replaced by other text, or a JSON value
+    shaped like a trace whose fields hold anything."""
+    text = data.draw(st.sampled_from(SHIPPED)).read_text()
+    how = data.draw(st.sampled_from(["cut", "splice", "shape", "events"]))
+    if how == "cut":
+        return text[:data.draw(st.integers(0, len(text)))]
+    if how == "splice":
+        a = data.draw(st.integers(0, len(text)))
+        b = data.draw(st.integers(a, min(len(text), a + 200)))
+        return text[:a] + data.draw(st.text(max_size=10)) + text[b:]
+    doc = json.loads(text)
+    if how == "shape":
+        return json.dumps(data.draw(JSONISH))
+    i = data.draw(st.integers(0, len(doc["traceEvents"]) - 1))
+    doc["traceEvents"][i] = data.draw(JSONISH)              # one event of any shape
+    if data.draw(st.booleans()):
+        doc["distributedInfo"] = data.draw(JSONISH)
+    return json.dumps(doc)
+
+
+@FAST
+@given(data=st.data())
+def test_a_garbled_trace_gets_a_sentence(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("bad") / "rank0.pt.trace.json"
+    path.write_text(_garbled(data), encoding="utf-8")
+    for read in (from_profiler, from_chrome):
+        try:
+            t = read(path)
+        except ValueError as e:
+            assert str(e).endswith(".") and "Traceback" not in str(e)
+            continue
+        t.summary()
+        for r in range(t.world_size):
+            t.overlap(r)

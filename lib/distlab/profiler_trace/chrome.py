@@ -6,19 +6,35 @@ from ..chrome_trace import US
 
 def from_chrome(path):
     """The Trace a distlab export (`to_chrome`) holds: its events, spans and clocks, in seconds."""
-    from ..trace import Trace
-    with open(path) as f:
-        doc = json.load(f)
-    info = doc.get("otherData", {}).get("distlab") if isinstance(doc, dict) else None
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0].rstrip(".")
+        raise ValueError(f"{path} is not a JSON trace ({reason}).") from None
+    other = doc.get("otherData") if isinstance(doc, dict) else None
+    info = other.get("distlab") if isinstance(other, dict) else None
     if info is None:
         raise ValueError(f"{path} was not written by distlab's to_chrome (no otherData.distlab); "
                          f"for a torch.profiler trace use distlab.profiler_trace.from_profiler.")
+    try:
+        return _read(doc, info)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError, OverflowError) as e:
+        raise ValueError(f"{path} is not a complete distlab export (a field missing or of an "
+                         f"unexpected shape: {type(e).__name__} {e}); write it again with "
+                         f"to_chrome.") from None
+
+
+def _read(doc, info):
+    from ..trace import Trace
     n = info["world_size"]
     per_rank = [dict(rank=r, events=[], spans=[], memory=[], end=info["rank_ends_us"][r] / US)
                 for r in range(n)]
     for ev in doc["traceEvents"]:
         if ev.get("ph") != "X":
             continue
+        if not isinstance(ev["pid"], int) or not 0 <= ev["pid"] < n:
+            raise IndexError(f"pid {ev['pid']!r} is no rank of {n}")
         r, a = per_rank[ev["pid"]], ev["args"]
         start, end = ev["ts"] / US, (ev["ts"] + ev["dur"]) / US
         if ev["cat"] == "copy":

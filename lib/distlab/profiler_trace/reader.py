@@ -25,7 +25,14 @@ def from_profiler(paths):
     per_rank = [dict(rank=r, events=[], spans=[], memory=[], gpu=False, end=0.0)
                 for r in range(world)]
     for doc, rank in zip(docs, ranks):
-        per_rank[rank] = _read_rank(doc, rank, origin)
+        try:
+            per_rank[rank] = _read_rank(doc, rank, origin)
+        except (KeyError, TypeError, AttributeError, IndexError, OverflowError) as e:
+            # The last guard: a field of a shape torch never writes, met deep in the reading.
+            raise ValueError(f"{doc['_path']} does not read as a torch.profiler trace (a field "
+                             f"of an unexpected shape: {type(e).__name__} {e}); pass the file "
+                             f"torch wrote (export_chrome_trace or tensorboard_trace_handler)."
+                             ) from None
     trace = Trace(per_rank)
     trace.ranks_read = sorted(ranks)
     gpu = any(r["gpu"] for r in per_rank)
