@@ -8,7 +8,8 @@
 Input: one Kineto JSON file per rank, as torch writes them with
 `profile(on_trace_ready=tensorboard_trace_handler(dir))` (`*.pt.trace.json`, gzipped or not) or
 `prof.export_chrome_trace(path)`. The rank of each file is its `distributedInfo.rank` (torch
-writes it when a process group exists), else its place in the list.
+writes it when a process group exists), else its place in the list; one rank's file of a big job
+reads alone (the Trace has the job's world size, the ranks without a file are empty).
 
 What becomes what. Two kinds of trace, read the way Holistic Trace Analysis (HTA) reads them:
 - a GPU job (the file has GPU kernels): communication = the NCCL kernels (`nccl*Kernel*`, HTA's
@@ -17,7 +18,9 @@ What becomes what. Two kinds of trace, read the way Holistic Trace Analysis (HTA
   The CPU side is not used: on a GPU it is launches, not work;
 - a CPU job (gloo: no kernels): communication = gloo's own record of each transfer
   (`gloo:all_reduce` ... on its worker threads, `gloo:send`/`gloo:recv` on the caller's), paired
-  with the `c10d::` call that launched it (op, bytes from the recorded shapes, peer and tag);
+  with the `c10d::` call that launched it (op, bytes from the recorded shapes, peer and tag; a
+  peer inside a subgroup is its global rank only where the file tells the group, see `groups`,
+  else None);
   compute = the time the ranks' threads spent in operators (`cpu_op`) outside communication
   calls, named after the `record_function` range around it (forward, backward, optimizer).
 Times are seconds since the earliest event of all the files, so ranks line up (on one host they
@@ -34,9 +37,11 @@ two on a GPU-shaped trace when HTA is installed.
 from .chrome import from_chrome
 from .files import _base_us, _default_group, _files, _load, _rank_of, _slices, _t0
 from .gloo import BYTES_ARG, _arg_bytes, _cpu, _gloo_event, _numels, _pair
+from .groups import Groups
 from .gpu import GPU_CATS, NCCL_KERNEL, NCCL_OPS, NOT_COMPUTE, _gpu, _nccl_event
 from .intervals import _cut, _name_at, _subtract
-from .reader import _read_rank, from_profiler
+from .reader import _read_rank, _world_of, from_profiler
 from .records import DTYPES, ITEMSIZE, P2P, _event, _int, _op_of_method
+from .steps import projected_phases
 
 __all__ = ["from_profiler", "from_chrome"]
