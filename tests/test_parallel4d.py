@@ -3,8 +3,8 @@ steps. One launch per layout: 2×2×2×1 and 1×2×2×2 are the two 8-rank meshe
 group (each leaves one dimension at 1; 2×2×2×2 would take 16 ranks), 1×1×3×1 an odd ring, and
 1×1×2×4 with grouped-query attention (8 query heads, 2 K/V heads: each K/V head split across
 the 2 tp ranks that share it and gathered, then widened to the rank's 2 query heads only inside
-the ring's kernels; the ring carries the small K/V). One more 8-rank launch: 11 tokens train at
-cp = 1 (2×2×1×2) and are refused at cp = 2 with the sizes that would split them."""
+the ring's kernels; the ring carries the small K/V). One more 4-rank launch: 11 tokens train at
+cp = 1 (1×2×1×2) and are refused at cp = 2 (1×1×2×2) with the sizes that would split them."""
 import pytest
 import torch
 
@@ -45,11 +45,11 @@ def _run_4d(rank, world_size, dp, pp, cp, tp, n_micro, config=CONFIG, seq_len=12
 
 
 def _odd_lengths(rank, world_size):
-    """In one 8-rank launch: 11 tokens on a 2x2x1x2 mesh (cp = 1: any length splits), then on
-    the 1x2x2x2 mesh, whose refusal is kept."""
-    at_cp1 = _run_4d(rank, world_size, 2, 2, 1, 2, 2, seq_len=11)
+    """In one 4-rank launch: 11 tokens on a 1x2x1x2 mesh (cp = 1: any length splits), then on
+    a 1x1x2x2 mesh, whose refusal is kept."""
+    at_cp1 = _run_4d(rank, world_size, 1, 2, 1, 2, 2, seq_len=11)
     try:
-        _run_4d(rank, world_size, 1, 2, 2, 2, 2, seq_len=11)
+        _run_4d(rank, world_size, 1, 1, 2, 2, 1, seq_len=11)
         refusal = None
     except ValueError as e:
         refusal = str(e)
@@ -98,7 +98,7 @@ def _shard(full, name, tp, t, config):
 
 
 def test_odd_lengths_train_at_cp_1_and_are_refused_at_cp_2_with_what_to_do():
-    results = distlab.run(_odd_lengths, 8, timeout=120)
+    results = distlab.run(_odd_lengths, 4, timeout=120)
     dense, dense_losses = _dense(seq_len=11)
     _equal_dense([at_cp1 for at_cp1, _ in results], dense, dense_losses, tp=2)
     for _, refusal in results:
