@@ -721,8 +721,9 @@ def test_split_backward_is_exact_with_a_layer_used_twice_and_a_tied_weight():
     (walking from the second use back into the first counted the first twice)."""
     from distlab.pipeline_parallel import _vjp_root
     torch.manual_seed(0)
-    part = nn.Sequential(nn.Linear(5, 6), _Twice(6), _Tied(6), nn.Linear(6, 3)).double()
-    part[3].weight.requires_grad_(False)
+    part = nn.Sequential(nn.Linear(5, 6), nn.ReLU(inplace=True), _Twice(6), _Tied(6),
+                         nn.Linear(6, 3)).double()     # ReLU overwrites a recorded output
+    part[4].weight.requires_grad_(False)
     x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
     grad = torch.randn(4, 3, dtype=torch.float64)
     _vjp_root(part(x), grad).backward()

@@ -94,8 +94,8 @@ def _reachable(node, cuts, params):
         if node is None or node in seen:
             continue
         seen.add(node)
-        leaf = getattr(node, "variable", None)           # an AccumulateGrad: a leaf tensor
-        if leaf is not None:
+        if type(node).__name__ == "AccumulateGrad":     # a leaf tensor's end of the graph
+            leaf = node.variable
             if id(leaf) in params:
                 found[id(leaf)] = leaf
             continue
