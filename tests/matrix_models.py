@@ -231,7 +231,8 @@ class HalfInPlace(nn.Module):
 class PipeNet(nn.Module):
     """model.net: Linear/GELU pieces, as many as `n_pieces` needs, with the feature: frozen (the
     second Linear), tied (the third Linear's weight is the first's), reused (the first Linear
-    object again in third place), buffer (a Shift piece), inplace (HalfInPlace pieces)."""
+    object again in third place), buffer (a Shift piece), inplace (every other Linear a
+    HalfInPlace, and ReLU(inplace=True) for GELU: a stage may begin with an in-place op)."""
 
     def __init__(self, feature, n_pieces, w=8):
         super().__init__()
@@ -239,7 +240,7 @@ class PipeNet(nn.Module):
         layers = []
         for i in range(n_linear):
             if i:
-                layers.append(nn.GELU())
+                layers.append(nn.ReLU(inplace=True) if feature == "inplace" else nn.GELU())
             layers.append(HalfInPlace(w) if feature == "inplace" and i % 2 else nn.Linear(w, w))
         if feature == "buffer":
             layers.insert(1, Shift(w))
