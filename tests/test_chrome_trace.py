@@ -177,7 +177,10 @@ def test_export_round_trips(which, request, tmp_path):
     back = from_chrome(trace.save(tmp_path / "run.json"))
     assert back.world_size == trace.world_size
     assert (back.emulated is None) == (trace.emulated is None)
-    assert back.summary() == trace.summary()
+    # Numbers, not summary(): the export keeps whole ns, and a total a few ns from a rounding
+    # edge of summary's µs can print one digit apart (seen once in CI on the measured run).
+    for r in range(trace.world_size):
+        assert back.totals(r) == pytest.approx(trace.totals(r), abs=1e-8)
     for r in range(trace.world_size):
         for a, b in zip(trace.comm(r), back.comm(r), strict=True):
             for key in ("op", "group", "peer", "tag", "bytes", "dtype", "async_op", "native"):
