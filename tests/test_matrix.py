@@ -83,6 +83,7 @@ def _dp_case(strategy, feature, rank, ws, problems):
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     elif strategy.startswith("zero"):
         zero = ZeRO(model, int(strategy[-1]), optimizer="sgd", lr=LR, momentum=0.9,
+                    prefetch=strategy == "zero3",
                     compute_dtype=BF16 if dtype == BF16 else None)
         run, opt = model, zero
     else:  # fsdp2
