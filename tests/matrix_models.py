@@ -22,24 +22,25 @@ APPLICABLE = {
     **{s: FEATURES for s in DATA_PARALLEL},
     "tp": _BLOCK, "tp_sp": _BLOCK,
     "vocab": ("plain", "frozen", "tied", "empty", "uneven"),
-    "pipeline": ("plain", "frozen", "tied", "reused", "inplace", "buffer", "empty", "uneven"),
-    "ep": ("plain", "frozen", "empty", "uneven"),
-    **{s: ("plain", "empty", "uneven") for s in ATTENTION},
+    "pipeline": ("plain", "frozen", "tied", "reused", "inplace", "buffer", "empty", "uneven",
+                 "bf16"),
+    "ep": ("plain", "frozen", "empty", "uneven", "bf16"),
+    **{s: ("plain", "empty", "uneven", "bf16") for s in ATTENTION},
     "3d": ("plain", "frozen", "tied", "uneven"),
     "4d": ("plain", "frozen", "tied", "uneven"),
 }
 # Why a (strategy, feature) pair is not in the matrix: the strategy has no place for the feature
-# (a function without parameters, a runtime that trains model.net only), or it does not claim it.
+# (a function without parameters, a runtime that trains model.net only), or it does not claim it
+# (bf16 is in the matrix where a strategy takes a dtype: DP, ZeRO, FSDP2, TP, the pipeline
+# runtime, EP, the attention functions).
 NOT_EXPRESSIBLE = {
     **{(s, f): "an attention function has no parameters, buffers or modules to give the feature"
        for s in ATTENTION for f in FEATURES if f not in APPLICABLE[s]},
     **{(s, f): "the vocab-parallel embedding/head/loss trio has no place for it"
        for s in ("vocab",) for f in FEATURES if f not in APPLICABLE[s]},
     ("pipeline", "root_param"): "pp.train pipelines model.net (an nn.Sequential) only",
-    ("pipeline", "bf16"): "not claimed (the runtime computes in one dtype)",
     **{("ep", f): "ExpertParallelMoE takes an MoE layer: no place for it" for f in
        ("tied", "reused", "root_param", "inplace", "buffer")},
-    ("ep", "bf16"): "not claimed",
     **{(s, f): "Stage3D/Stage4D take a TinyGPT: no place for it"
        for s in ("3d", "4d") for f in ("reused", "root_param", "inplace", "buffer", "empty")},
     **{(s, "bf16"): "not claimed" for s in ("3d", "4d")},

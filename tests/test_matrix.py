@@ -279,17 +279,19 @@ def _pipeline_case(strategy, feature, rank, ws, problems, index):
         grads = {n: None if p.grad is None else p.grad.clone() for n, p in every}
         _sgd(ref.parameters())
         expected.append((loss.item(), grads, {n: p.detach().clone() for n, p in every}))
+    dtype = BF16 if feature == "bf16" else F64
     got = pp.train(rank, ws, lambda p, mb: makers[name](p, mb), mm.make_pipe_net(feature, n_pieces),
-                   batches, m, (8,), v=v, lr=LR, dtype=F64)
+                   batches, m, (8,), v=v, lr=LR, dtype=dtype)
     held = sorted(got[0]["grads"])
     for step, (loss, grads, params) in enumerate(expected):
         if got[step]["loss"] is not None:
             _close(problems, f"{name}: loss of step {step}",
-                   torch.tensor(got[step]["loss"], dtype=F64), torch.tensor(loss, dtype=F64))
+                   torch.tensor(got[step]["loss"], dtype=F64), torch.tensor(loss, dtype=F64), dtype)
         for n in held:
             _close(problems, f"{name}: gradient of {n}, step {step}", got[step]["grads"][n],
-                   grads[n])
-            _close(problems, f"{name}: {n} after step {step}", got[step]["params"][n], params[n])
+                   grads[n], dtype)
+            _close(problems, f"{name}: {n} after step {step}", got[step]["params"][n], params[n],
+                   dtype)
     return held, sorted(grads)
 
 
@@ -306,7 +308,8 @@ def _ep_case(strategy, feature, rank, ws, problems):
     data = [[(torch.randn(c, 8, generator=g, dtype=F64), torch.randn(c, 4, generator=g,
              dtype=F64)) for c in counts] for _ in range(STEPS)]
     ref = make_moe_model(seed=0, dtype=F64, **config)
-    model = make_moe_model(seed=0, dtype=F64, **config)
+    dtype = BF16 if feature == "bf16" else F64
+    model = make_moe_model(seed=0, dtype=dtype, **config)
     if feature == "frozen":
         ref.moe.router.requires_grad_(False)
         model.moe.router.requires_grad_(False)
@@ -319,30 +322,30 @@ def _ep_case(strategy, feature, rank, ws, problems):
         outs = [ref(xr)[0] for xr, _ in data[step]]
         sum(((o - yr) ** 2).sum() for o, (_, yr) in zip(outs, data[step])).div(total).backward()
         xr, yr = data[step][rank]
-        out = model(xr)[0]
-        ((out - yr) ** 2).sum().div(total).backward()
+        out = model(xr.to(dtype))[0]
+        ((out.to(F64) - yr) ** 2).sum().div(total).backward()
         for p in model.parameters():
             if id(p) not in experts and p.requires_grad:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad)          # replicated: the sum over the ranks' tokens
         if step == 0:
-            _close(problems, "forward output", out, outs[rank])
+            _close(problems, "forward output", out, outs[rank], dtype)
             for n, p in model.named_parameters():
                 _close(problems, f"gradient of {global_name(n, first)}", p.grad,
-                       ref.get_parameter(global_name(n, first)).grad)
+                       ref.get_parameter(global_name(n, first)).grad, dtype)
         _sgd(model.parameters())
         _sgd(ref.parameters())
     for n, p in model.named_parameters():
         _close(problems, f"{global_name(n, first)} after {STEPS} steps", p,
-               ref.get_parameter(global_name(n, first)))
+               ref.get_parameter(global_name(n, first)), dtype)
 
 
 # ---- context parallel: ring, all-gather, Ulysses ---------------------------------------------
 
 def _positions(feature, rank, ws):
     from distlab.context_parallel import zigzag_positions
-    if feature == "plain":
+    if feature in ("plain", "bf16"):
         return zigzag_positions(4 * ws, rank, ws), 4 * ws
     if feature == "uneven":                      # 2ws + 1 tokens, contiguous, unequal blocks
         t = 2 * ws + 1
@@ -359,27 +362,28 @@ def _cp_case(strategy, feature, rank, ws, problems):
     fn = {"cp_ring": ring_attention, "cp_allgather": all_gather_attention,
           "ulysses": ulysses_attention}[strategy]
     pos, t = _positions(feature, rank, ws)
+    dtype = BF16 if feature == "bf16" else F64
     heads = ws if strategy == "ulysses" else 2
     g = torch.Generator().manual_seed(11)
     full = [torch.randn(1, heads, t, 4, generator=g, dtype=F64) for _ in range(3)]
     probe = torch.randn(1, heads, t, 4, generator=g, dtype=F64)
-    mine = [f[:, :, pos].clone() for f in full]
+    mine = [f[:, :, pos].to(dtype) for f in full]
     for step in range(STEPS):
         ref = [f.detach().requires_grad_() for f in full]
         ref_out = dense_attention(*ref, causal=True)
         (ref_out * probe).sum().backward()
         loc = [f.detach().requires_grad_() for f in mine]
         out = fn(*loc, pos, causal=True)
-        (out * probe[:, :, pos]).sum().backward()
+        (out * probe[:, :, pos].to(dtype)).sum().backward()
         if step == 0:
-            _close(problems, "forward output", out, ref_out[:, :, pos])
+            _close(problems, "forward output", out, ref_out[:, :, pos], dtype)
             for what, a, b in zip("qkv", loc, ref):
-                _close(problems, f"gradient of {what}", a.grad, b.grad[:, :, pos])
+                _close(problems, f"gradient of {what}", a.grad, b.grad[:, :, pos], dtype)
         with torch.no_grad():                     # q, k and v as the parameters: SGD on them
             full = [f - LR * r.grad for f, r in zip(full, ref)]
             mine = [f - LR * r.grad for f, r in zip(mine, loc)]
     for what, a, b in zip("qkv", mine, full):
-        _close(problems, f"{what} after {STEPS} steps", a, b[:, :, pos])
+        _close(problems, f"{what} after {STEPS} steps", a, b[:, :, pos], dtype)
 
 
 # ---- 3D and 4D -----------------------------------------------------------------------------
