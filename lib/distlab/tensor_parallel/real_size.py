@@ -1,0 +1,58 @@
+"""A Llama block at real size, tensor parallel, and its time in closed form."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .layers import ColumnParallelLinear, RowParallelLinear, per_rank
+
+
+class ParallelLlamaBlock(nn.Module):
+    """A Llama block (distlab.zero_memory.LlamaBlock: RMSNorm, rotary, causal flash attention,
+    SwiGLU, no biases) tensor parallel over `group`, Megatron's layout: q/k/v and gate/up
+    column-parallel (each stacked matrix split on its own), the output and down projections
+    row-parallel: one all-reduce after attention and one after the MLP in forward, one into
+    each region's input in backward. Builds on the meta device for real sizes."""
+
+    def __init__(self, hidden, heads, ffn, group=None, eps=1e-5, dtype=None):
+        super().__init__()
+        self.local_heads, self.head_dim = per_rank(heads, group, "heads"), hidden // heads
+        self.norm1 = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, group, bias=False, chunks=3,
+                                        dtype=dtype)
+        self.out = RowParallelLinear(hidden, hidden, group, bias=False, dtype=dtype)
+        self.norm2 = nn.RMSNorm(hidden, eps=eps, dtype=dtype)
+        self.gate_up = ColumnParallelLinear(hidden, 2 * ffn, group, bias=False, chunks=2,
+                                            dtype=dtype)
+        self.down = RowParallelLinear(ffn, hidden, group, bias=False, dtype=dtype)
+
+    def forward(self, x, cos, sin):
+        from ..zero_memory import rotary
+        b, s, _ = x.shape
+        q, k, v = (z.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+                   for z in self.qkv(self.norm1(x)).chunk(3, dim=-1))
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def tp_block_seconds(cluster, tp, tokens, hidden=4096, heads=32, ffn=11008,
+                     dtype=torch.bfloat16):
+    """{"compute", "comm"}: modeled seconds of one ParallelLlamaBlock's forward + backward on the
+    first `tp` ranks of `cluster` with `tokens` tokens: each rank's matmul slices at the
+    device's shape-dependent rate (Device.gemm_seconds) and its heads' causal flash attention,
+    backward twice the forward; four all-reduces of the (tokens × hidden) activation on the
+    link the group sees (Cluster.link_between: NVLink SHARP inside an H100 node, one ring per
+    NIC across nodes). The formulas the emulator charges; elementwise work is left out."""
+    dev = cluster.device
+    mm = sum(dev.gemm_seconds(tokens, n, k, dtype) for n, k in
+             ((3 * hidden // tp, hidden), (hidden, hidden // tp), (2 * ffn // tp, hidden),
+              (hidden, ffn // tp)))
+    d, a = hidden // heads, heads // tp
+    attn = 2.0 * tokens * tokens * d * a / (dev.peak(dtype)
+                                            * dev.gemm_efficiency(tokens, tokens, d, dtype, a))
+    nbytes = tokens * hidden * torch.empty((), dtype=dtype).element_size()
+    link = cluster.link_between(range(tp))
+    comm = 4 * link.seconds("all_reduce", nbytes, tp) if tp > 1 else 0.0
+    return {"compute": 3 * (mm + attn), "comm": comm}
