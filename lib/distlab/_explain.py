@@ -140,13 +140,18 @@ def _reached_alone(r, ranks):
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The course's wrappers between a learner's line and torch: a stack read for the learner skips them.
-_PLUMBING = {os.path.join(_HERE, f) for f in ("_tracer.py", "trace.py", "emulate.py")} | {
+_PLUMBING = {os.path.join(_HERE, f) for f in ("trace.py", "emulate.py")} | {
     os.path.join(_HERE, "checks", "__init__.py")}
+_PLUMBING_PACKAGES = (os.path.join(_HERE, "_tracer") + os.sep,)
+
+
+def _ours(path):
+    path = os.path.abspath(path)
+    return path in _PLUMBING or path.startswith(_PLUMBING_PACKAGES)
 
 
 def _plumbing(path):
-    path = os.path.abspath(path)
-    return path in _PLUMBING or f"{os.sep}torch{os.sep}" in path
+    return _ours(path) or f"{os.sep}torch{os.sep}" in os.path.abspath(path)
 
 
 def without_plumbing(stack):
@@ -154,7 +159,7 @@ def without_plumbing(stack):
     ProcessGroup methods): the innermost frame left is the learner's line that called torch."""
     return "\n".join(line for line in stack.splitlines()
                      if not (line.lstrip().startswith('File "') and
-                             os.path.abspath(line.split('"')[1]) in _PLUMBING))
+                             _ours(line.split('"')[1])))
 
 
 def _died_message(r, ranks, others):

@@ -1,195 +1,17 @@
-"""Inside a rank: record every communication call and every marked compute span, and (under
-emulation) move the rank's virtual clock. `distlab.trace` is the public face of this module.
-
-Two layers, because neither sees everything:
-- the methods of torch's `ProcessGroup` are wrapped for the length of the run. Every collective
-  and point-to-point call made from Python goes through them (`dist.all_reduce`, `dist.isend`,
-  `batch_isend_irecv`, `group.allreduce(...)` called directly, FSDP2's gathers, whatever name the
-  function was imported under), so the wrapper sees the group, the peer, the tag and the Work
-  handle, and under emulation can make `wait()` complete at the modeled time;
-- a TorchDispatchMode sees every tensor operation, including the `c10d::` ops that C++ code
-  issues (torch's DDP reducer, DTensor's functional collectives): those are recorded as
-  `native`. Under emulation the mode also charges each operation's modeled compute time.
-The profiler sees c10d calls too, but not the peer of a message, and it cannot delay a wait.
-
-Meta tensors (full-size runs under emulation): a tensor on the `meta` device has a shape and a
-dtype but no memory and no values, so a rank can hold a 7B-parameter layer on a laptop. Under
-emulation every op on meta tensors is charged as on real ones (FLOPs from the shapes through
-torch's flop counter, bytes from numel·itemsize); a collective or message on meta tensors never
-reaches gloo: its wrapper charges the modeled time on the clock (the peers still agree through
-the store) and returns a finished handle, the outputs staying meta. What needs a value (`.item()`,
-`bool()`/`if` on a tensor, `.tolist()`/`.cpu()`, ops whose output size depends on the values
-such as nonzero or boolean masks, a receive from any source) raises MetaValueError with one
-sentence; so does communicating meta tensors in a run that is not emulated. Printing a meta
-tensor shows `tensor(..., device='meta', size=...)`: no values.
-"""
+"""One rank's recorder: the dispatch mode that charges compute, the wrapped ProcessGroup
+methods that record communication, and the clock they move."""
 import sys
 import threading
 import time
 
-import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
-_active = None          # the Recorder of this rank while a traced run is going
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in _tensors(item)]
-    return []
-
-
-def _nbytes(x):
-    return sum(t.numel() * t.element_size() for t in _tensors(x))
-
-
-def _dtype(*xs):
-    for x in xs:
-        ts = _tensors(x)
-        if ts:
-            return str(ts[0].dtype).replace("torch.", "")
-    return None
-
-
-# ProcessGroup method -> (op, the bytes the op's model needs). For gathers and scatters that is the
-# FULL tensor (what all ranks hold together); for all_to_all what this rank sends.
-_COLLECTIVES = {
-    "allreduce": ("all_reduce", lambda a, n: _nbytes(a[0])),
-    "allreduce_coalesced": ("all_reduce", lambda a, n: _nbytes(a[0])),
-    "broadcast": ("broadcast", lambda a, n: _nbytes(a[0])),
-    "reduce": ("reduce", lambda a, n: _nbytes(a[0])),
-    "allgather": ("all_gather", lambda a, n: _nbytes(a[0])),
-    "_allgather_base": ("all_gather", lambda a, n: _nbytes(a[0])),
-    "all_gather_single": ("all_gather", lambda a, n: _nbytes(a[0])),
-    "allgather_coalesced": ("all_gather", lambda a, n: _nbytes(a[0])),
-    "allgather_into_tensor_coalesced": ("all_gather", lambda a, n: _nbytes(a[0])),
-    "all_gather_single_coalesced": ("all_gather", lambda a, n: _nbytes(a[0])),
-    "reduce_scatter": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
-    "_reduce_scatter_base": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
-    "reduce_scatter_single": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
-    "reduce_scatter_single_coalesced": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
-    "alltoall": ("all_to_all", lambda a, n: _nbytes(a[1])),
-    "alltoall_base": ("all_to_all", lambda a, n: _nbytes(a[1])),
-    "all_to_all_single": ("all_to_all", lambda a, n: _nbytes(a[1])),
-    "gather": ("gather", lambda a, n: _nbytes(a[1]) * n),
-    "scatter": ("scatter", lambda a, n: _nbytes(a[0]) * n),
-    "barrier": ("barrier", lambda a, n: 4),
-    "monitored_barrier": ("barrier", lambda a, n: 4),
-}
-_P2P = ("send", "recv", "recv_anysource")
-# c10d ops issued from C++ (torch's DDP reducer) and DTensor's functional collectives.
-_NATIVE = {f"{method}_": op for method, (op, _) in _COLLECTIVES.items()}
-_NATIVE.update(all_reduce="all_reduce", all_gather_into_tensor="all_gather",
-               reduce_scatter_tensor="reduce_scatter", all_to_all_single="all_to_all",
-               broadcast="broadcast")
-_COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
-
-
-class MetaValueError(RuntimeError):
-    """Code needed the values of a meta tensor (see the module's docstring)."""
-
-
-def _value_sentence(what):
-    return (f"{what} needs the values of a tensor on the meta device, and an emulated run on "
-            f"meta tensors computes shapes and times, not values: run this code on real tensors "
-            f"at a small size to see values.")
-
-
-def _meta(xs):
-    return any(t.is_meta for t in _tensors(xs))
-
-
-class _NoTransfer:
-    """The finished inner handle of a communication on meta tensors: nothing was sent."""
-
-    def __init__(self, args):
-        self._outputs = _tensors(args[0]) if args else []
-
-    def wait(self, timeout=None):
-        return True
-
-    def is_completed(self):
-        return True
-
-    def is_success(self):
-        return True
-
-    def exception(self):
-        return None
-
-    def result(self):
-        return self._outputs
-
-    def synchronize(self):
-        return None
-
-    def block_current_stream(self):
-        return None
-
-    def get_future(self):
-        future = torch.futures.Future()
-        future.set_result(self._outputs)
-        return future
-
-
-class TracedWork(dist.Work):
-    """The Work handle a traced call returns: the real one inside, the event to complete beside."""
-
-    def __init__(self, inner, event, recorder):
-        super().__init__()
-        self._inner, self._event, self._recorder = inner, event, recorder
-        self._finished = False
-
-    def wait(self, timeout=None):
-        if self._finished:
-            return True
-        called, seen = self._recorder.now(), self._recorder._marker()
-        ok = self._recorder.backend(self._inner.wait, *([] if timeout is None else [timeout]))
-        self._recorder.finish(self._event, self._inner, called, seen)
-        self._finished = True
-        return ok
-
-    def is_completed(self):
-        rec = self._recorder
-        if rec.clock is None or self._finished:
-            return self._inner.is_completed()
-        # Emulated: done when the modeled transfer is (this learns the peers' start times).
-        end = rec.completion(self._event)
-        if end is None or end > rec.clock.now:
-            return False
-        rec.backend(self._inner.wait)   # every member launched it: the result is moments away
-        return True
-
-    def is_success(self):
-        return self._inner.is_success()
-
-    def exception(self):
-        return self._inner.exception()
-
-    def source_rank(self):
-        return self._inner.source_rank()
-
-    def _source_rank(self):
-        return self._inner._source_rank()
-
-    def result(self):
-        return self._inner.result()
-
-    def synchronize(self):
-        return self._inner.synchronize()
-
-    def get_future(self):
-        return self._inner.get_future()
-
-    def block_current_stream(self):
-        return self._inner.block_current_stream()
+from .ops import (_COLLECTIVES, _COMM_NAMESPACES, _NATIVE, _P2P, _dtype, _first_dtype, _flops,
+                  _matmul_shape, _nbytes, _tensors)
+from .meta import MetaValueError, _MetaFunctions, _meta, _on_meta
+from .work import TracedWork, _NoTransfer
 
 
 class _DeviceMode(TorchDispatchMode):
@@ -216,53 +38,6 @@ class _DeviceMode(TorchDispatchMode):
             if rec.clock is not None and not rec.inside:   # backend ops: Recorder.backend
                 rec.charge(func, args, kwargs, out)
         return out
-
-
-def _on_meta(func, args, kwargs):
-    """func on meta tensors, with a sentence where it needs their values."""
-    name = func.__name__.split(".")[0]
-    if name == "_local_scalar_dense":
-        raise MetaValueError(_value_sentence("`.item()` (or float(), int(), bool(), an `if` on a "
-                                             "tensor)"))
-    try:
-        return func(*args, **kwargs)
-    except NotImplementedError:
-        if name in ("_to_copy", "copy_", "_copy_from"):
-            what = "copying a meta tensor into real memory (.tolist(), .cpu(), .numpy(), .to())"
-        else:
-            what = f"aten.{name} (its result depends on the values: nonzero, unique, masks)"
-        raise MetaValueError(_value_sentence(what)) from None
-
-
-class _MetaFunctions(TorchFunctionMode):
-    """Under emulation: attention on meta tensors takes the kernel the CPU takes with real ones.
-
-    F.scaled_dot_product_attention picks its kernel by device before any op is dispatched: on
-    the CPU a fused flash kernel (inputs, output and its row statistics), on meta the unfused
-    math path, which materialises the t × t scores: at 4k tokens gigabytes of modeled memory
-    traffic a real run never has. Sending meta tensors to the CPU's kernel (it has a meta
-    implementation) charges the same ops as real tensors of that shape."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch._C._nn.scaled_dot_product_attention and _meta(args[:3]):
-            out = _flash_on_meta(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
-
-
-def _flash_on_meta(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                   scale=None, enable_gqa=False):
-    """The CPU's flash kernel for the cases the CPU gives it (no mask, no dropout, 4-d inputs
-    with one head size); None for the others, which keep the math path."""
-    if attn_mask is not None or dropout_p or enable_gqa:
-        return None
-    if {t.dim() for t in (query, key, value)} != {4} or \
-            len({t.shape[-1] for t in (query, key, value)}) != 1:
-        return None
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, is_causal, scale=scale)[0]
 
 
 class Recorder:
@@ -460,8 +235,7 @@ class Recorder:
 
     # -- switching it on and off ---------------------------------------------------------------
     def start(self):
-        global _active
-        _active = self
+        _package()._active = self
         _patch()
         self._mode = _DeviceMode(self)
         self._mode.__enter__()
@@ -470,7 +244,6 @@ class Recorder:
             self._functions.__enter__()
 
     def stop(self):
-        global _active
         if getattr(self, "_functions", None) is not None:
             self._functions.__exit__(None, None, None)
             self._functions = None
@@ -478,7 +251,7 @@ class Recorder:
             self._mode.__exit__(None, None, None)
             self._mode = None
         _unpatch()
-        _active = None
+        _package()._active = None
         if self.clock is not None and sys.exc_info()[0] is None:
             # Transfers launched and never waited for: learn their times now (after a failure
             # the peers may never launch theirs, so they stay unknown then).
@@ -492,65 +265,9 @@ class Recorder:
 def _public(event):
     return {k: v for k, v in event.items() if not k.startswith("_")}
 
-
-_aten = torch.ops.aten
-# The CPU's fused attention kernels, which torch's flop counter does not list, counted as the
-# GPU's flash kernels are (the same arguments first); `is_causal` at this position. A causal
-# flash kernel skips the blocks above the diagonal: half the score FLOPs (Dao, FlashAttention-2).
-_ATTENTION = {
-    _aten._scaled_dot_product_flash_attention_for_cpu:
-        (_aten._scaled_dot_product_flash_attention, 4),
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        (_aten._scaled_dot_product_flash_attention_backward, 7),
-}
-
-
-def _flops(func, args, kwargs, out):
-    """FLOPs of one aten op as torch.utils.flop_counter counts them (0 for what it does not)."""
-    packet = func._overloadpacket
-    causal = False
-    if packet in _ATTENTION:
-        packet, where = _ATTENTION[packet]
-        causal = len(args) > where and args[where] is True
-    formula = flop_registry.get(packet)
-    if formula is None:
-        return 0
-    try:
-        flops = formula(*args, **kwargs, out_val=out)
-    except Exception:
-        return 0
-    return flops // 2 if causal else flops
-
-
-# where each matmul's operands sit in its arguments (the device's GEMM curve needs m, n, k)
-_MATMULS = {_aten.mm: 0, _aten.addmm: 1, _aten.bmm: 0, _aten.baddbmm: 1}
-
-
-def _matmul_shape(func, args):
-    """(m, n, k, batch) of a matmul op, None for any other op."""
-    packet = func._overloadpacket
-    if packet in _ATTENTION:       # the scores' GEMM: (t_q × head) · (head × t_k), per head
-        at = 0 if packet is _aten._scaled_dot_product_flash_attention_for_cpu else 1  # grad first
-        q, k = args[at], args[at + 1]
-        return q.shape[-2], k.shape[-2], q.shape[-1], q.numel() // (q.shape[-2] * q.shape[-1])
-    first = _MATMULS.get(packet)
-    if first is None or len(args) < first + 2:
-        return None
-    a, b = args[first], args[first + 1]
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != b.dim():
-        return None
-    if a.dim() == 2:
-        return a.shape[0], b.shape[1], a.shape[1], 1
-    if a.dim() == 3:
-        return a.shape[1], b.shape[2], a.shape[2], a.shape[0]
-    return None
-
-
-def _first_dtype(args):
-    for t in _tensors(args):
-        if t.is_floating_point():
-            return t.dtype
-    return torch.float32
+def _package():
+    # `_active` is the package's, where distlab.trace reads it (this module is imported by it)
+    return sys.modules[__package__]
 
 
 _originals = {}
@@ -558,7 +275,7 @@ _originals = {}
 
 def _wrap(method, original):
     def traced(pg, *args, **kwargs):
-        rec = _active
+        rec = _package()._active
         if rec is None or rec.inside or threading.get_ident() != rec._thread:
             return original(pg, *args, **kwargs)
         return rec.call(pg, method, original, args, kwargs)
