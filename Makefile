@@ -31,7 +31,7 @@ lab: $(STAMP)
 # judged by nbval's rules (tests/test_solutions.py: 79 CPU-s instead of 168 for thirteen kernels);
 # test-portable runs nbval itself on both.
 WORKERS ?= 3
-test: $(STAMP) $(VENV)/.distlab-grading-installed
+test: $(STAMP) $(VENV)/.distlab-grading-installed $(VENV)/.distlab-hta-installed
 	DISTLAB_NO_PROGRESS=1 $(PY) -m pytest tests notebooks $(NBVAL) --timeout=900 -q \
 		$(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
@@ -47,7 +47,7 @@ test-times:
 PERTURBED := $(shell grep -v '^\s*\#' tests/perturbed.env | grep '=')
 # `-p conftest` (tests/ on the path): tests/conftest.py's retry of a kernel that dies at birth
 # (a port taken between its choice and its bind), which `make test` gets by collecting tests/.
-test-portable: $(STAMP)
+test-portable: $(STAMP) $(VENV)/.distlab-hta-installed
 	env $(PERTURBED) DISTLAB_NO_PROGRESS=1 PYTHONPATH=tests $(PY) -m pytest -p conftest \
 		notebooks solutions $(NBVAL) --timeout=900 -q \
 		$(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
@@ -60,6 +60,13 @@ book: $(STAMP) $(VENV)/.distlab-book-installed
 
 $(VENV)/.distlab-grading-installed: pyproject.toml | $(STAMP)
 	$(PY) -m pip install --quiet -e '.[grading]'
+	touch $@
+
+# Holistic Trace Analysis referees the reading of a GPU trace, in the tests and in
+# chapter 11 (whose stored output is HTA's, so regen and test-portable need it too); `make lab`
+# leaves it out (pandas, plotly), and the chapter's cell says how to get it.
+$(VENV)/.distlab-hta-installed: pyproject.toml | $(STAMP)
+	$(PY) -m pip install --quiet -e '.[hta]'
 	touch $@
 
 $(VENV)/.distlab-book-installed: pyproject.toml | $(STAMP)
@@ -76,7 +83,7 @@ $(VENV)/.distlab-browser-installed: pyproject.toml | $(STAMP)
 	touch $@
 
 # Re-execute notebooks in place as nbval sees them: `make regen` or `make regen NB=notebooks/03_*.ipynb`
-regen: $(STAMP)
+regen: $(STAMP) $(VENV)/.distlab-hta-installed
 	$(PY) tools/regen.py $(NB)
 
 exercises: $(STAMP)

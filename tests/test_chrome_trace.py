@@ -5,8 +5,9 @@ The export is checked against the format's rules by `check_chrome` below, writte
 format's documentation (the Trace Event Format, Google), not from the writer. A consumer library
 loads it too where one can run here: the `perfetto` package's trace processor needs its
 `trace_processor_shell` binary, which it downloads at first use (no network in tests: give its
-path in PERFETTO_TRACE_PROCESSOR to run that test). HTA (HolisticTraceAnalysis), when installed,
-checks the import's overlap and idle numbers against its own on a GPU-shaped trace.
+path in PERFETTO_TRACE_PROCESSOR to run that test). HTA (HolisticTraceAnalysis, which `make test`
+installs; tests/hta_referee.py) checks the import's overlap and idle numbers against its own on a
+GPU-shaped trace; tests/test_gpu_trace.py holds a real GPU trace's steps against it.
 """
 import json
 import os
@@ -24,6 +25,7 @@ from distlab import collectives, models
 from distlab.chrome_trace import to_chrome
 from distlab.profiler_trace import from_chrome
 from distlab.profiler_trace import from_profiler
+from hta_referee import require_hta
 
 matplotlib.use("Agg")
 DATA = Path(__file__).parent / "data" / "profiler_ddp"
@@ -427,8 +429,9 @@ def test_overlap_and_idle_follow_htas_definitions(tmp_path):
         assert t.comm(rank)[0]["op"] == "all_reduce" and t.comm(rank)[0]["bytes"] == 4096
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # pandas' own, raised inside HTA
 def test_hta_agrees_on_overlap_and_idle(tmp_path):
-    hta = pytest.importorskip("hta.trace_analysis", reason="HolisticTraceAnalysis not installed")
+    hta = require_hta()
     folder = _gpu_trace(tmp_path / "gpu")
     ours = from_profiler(folder)
     analysis = hta.TraceAnalysis(trace_dir=str(folder))

@@ -7,32 +7,39 @@ The step is the GPU side of a torch.profiler step: from the first kernel its for
 the last its optimizer launched — the `gpu_user_annotation` ranges tagged with the step
 (tools/extract_gpu_trace.py writes them), or in an untouched trace the kernels each CPU range
 launched (distlab.profiler_trace.steps). The numbers use
-Holistic Trace Analysis' definitions, as `Trace.overlap` does, inside that window.
+Holistic Trace Analysis' definitions, as `Trace.overlap` does, inside that window: busy is any
+kernel or copy (Memcpy/Memset), idle the rest; compute is every kernel but NCCL's and the copies;
+non-compute is busy time without compute (HTA's temporal breakdown); overlap is the part of the
+NCCL kernels' time that compute ran beside (HTA's get_comm_comp_overlap).
+tests/test_gpu_trace.py holds them against HTA's own (`hta_steps`), step by step.
 """
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from ..profiler_trace import _base_us, _files, _load, _read_rank, _subtract, _t0
+from ..profiler_trace import _files, _load, _read_rank, _subtract, _t0
 from ..profiler_trace.steps import projected_phases
 from ..trace import Trace, _intersection, _merged, _union
 from .trace import COMM, COMPUTE, WAIT
 
 PHASE_COLOURS = {"## forward ##": "#DCE6F2", "## backward ##": "#E8DCF2", "## optimizer ##": "#DFF2DC"}
 IDLE = "#BBBBBB"
+ROUNDING = "HTA_DISABLE_NS_ROUNDING"
 
 
 def read_step(path, step):
     """The step's phases, kernels and NCCL calls (seconds from the trace's start), and its numbers."""
     files = _files(path)
-    doc = _load(files[0])
-    origin, base = _t0(doc), _base_us(doc)
+    # On the file's own clock: baseTimeNanoseconds + ts is ~1.7e15 µs, where a float keeps only
+    # 0.25 µs (a tenth of a short kernel); ts alone keeps the file's nanoseconds.
+    doc = dict(_load(files[0]), baseTimeNanoseconds=0)
+    origin = _t0(doc)
     tagged = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in doc["traceEvents"]
               if e.get("cat") == "gpu_user_annotation" and isinstance(e.get("args"), dict)
               and e["args"].get("step") == step]
     if not tagged:          # an untouched trace: project its CPU ranges onto the GPU ourselves
         tagged = [(p["name"], p["ts"], p["ts"] + p["dur"]) for p in projected_phases(doc)
                   if p["step"] == step]
-    phases = [(name, (a + base - origin) / 1e6, (b + base - origin) / 1e6) for name, a, b in tagged]
+    phases = [(name, (a - origin) / 1e6, (b - origin) / 1e6) for name, a, b in tagged]
     if not phases:
         steps = sorted({str(e.get("name")) for e in doc["traceEvents"]
                         if str(e.get("name", "")).startswith("ProfilerStep")})
@@ -46,13 +53,74 @@ def read_step(path, step):
     compute = inside((s["start"], s["end"]) for s in trace.compute(0))
     calls = [e for e in trace.comm(0) if lo <= e["start"] < hi]
     comm = inside((e["start"], e["end"]) for e in calls)
-    busy = _union(compute + comm)
+    # Memcpy/Memset keep the GPU busy (HTA's idle and Trace.overlap's), though neither compute
+    # nor communication: leaving them out billed step 5's 0.8 ms of copies as idle.
+    copies = inside(tuple(m) for m in trace._ranks[0]["memory"])
+    busy = _union(compute + comm + copies)
     return dict(step=step, window=(lo, hi), phases=phases, compute=compute, calls=calls,
-                exposed_intervals=_minus(comm, compute), gaps=_minus([(lo, hi)], compute + comm),
+                copies=copies, exposed_intervals=_minus(comm, compute),
+                gaps=_minus([(lo, hi)], compute + comm + copies),
                 span=hi - lo, compute_busy=_union(compute), comm_busy=_union(comm),
                 overlapped=_intersection(comm, compute), idle=(hi - lo) - busy,
+                non_compute=busy - _union(compute),
                 device=(doc.get("deviceProperties") or [{}])[0].get("name"),
                 nccl=(doc.get("distributedInfo") or {}).get("nccl_version"))
+
+
+def hta_steps(path):
+    """Holistic Trace Analysis' own numbers for each step of the trace at `path`, in seconds:
+    {"ProfilerStep#N": its temporal breakdown (`span` from the step's first kernel to its last,
+    `idle`, `compute`, `non_compute`), its communication/computation `overlap_pctg` (rounded to
+    0.01 as HTA rounds it) and its idle-time breakdown per CUDA stream, `idle_by_stream`:
+    {stream: {host_wait, kernel_wait, other}}}.
+
+    HTA puts a kernel in the step whose ProfilerStep range its launching runtime call started in
+    (why tools/extract_gpu_trace.py keeps those calls); its analyses run as they are, on one
+    step's events at a time. It reads the timestamps to the nanosecond (HTA_DISABLE_NS_ROUNDING=1):
+    by default it rounds each event inward to whole µs, which takes 2 % off this trace's compute.
+    Needs the [hta] extra (`make test` installs it; `pip install -e '.[hta]'`)."""
+    import copy
+    import logging
+    import os
+    import warnings
+
+    from hta.trace_analysis import TraceAnalysis
+    file = _files(path)[0].resolve()
+    log, before = logging.getLogger("hta"), os.environ.get(ROUNDING)
+    level = log.level
+    log.setLevel(logging.ERROR)           # its parse timings would print in the notebook
+    os.environ[ROUNDING] = "1"
+    out = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # pandas' deprecations inside HTA
+            analysis = TraceAnalysis(trace_files={0: str(file)}, trace_dir=str(file.parent),
+                                     include_last_profiler_step=True)
+            whole, trace = analysis.t.get_trace(0), analysis.t
+            for number in analysis.t.get_iterations(0):
+                analysis.t = copy.copy(trace)
+                analysis.t.traces = {0: whole[whole["iteration"].eq(number)]}
+                temporal = analysis.get_temporal_breakdown(visualize=False).iloc[0]
+                overlap = analysis.get_comm_comp_overlap(visualize=False).iloc[0]
+                idle, _ = analysis.get_idle_time_breakdown(visualize=False)
+                streams = {}
+                for row in idle.itertuples():
+                    waits = streams.setdefault(int(row.stream),
+                                               dict(host_wait=0.0, kernel_wait=0.0, other=0.0))
+                    waits[row.idle_category] = float(row.idle_time) / 1e6
+                out[f"ProfilerStep#{number}"] = dict(
+                    span=float(temporal["kernel_time(us)"]) / 1e6,
+                    idle=float(temporal["idle_time(us)"]) / 1e6,
+                    compute=float(temporal["compute_time(us)"]) / 1e6,
+                    non_compute=float(temporal["non_compute_time(us)"]) / 1e6,
+                    overlap_pctg=float(overlap["comp_comm_overlap_pctg"]), idle_by_stream=streams)
+    finally:
+        log.setLevel(level)
+        if before is None:
+            del os.environ[ROUNDING]
+        else:
+            os.environ[ROUNDING] = before
+    return out
 
 
 def _minus(xs, ys):
