@@ -56,3 +56,35 @@ def test_the_referee_refuses_a_process_with_a_process_group():
             fsdp_referee.fsdp2_peak(2, 16, shape=SHAPE)
     finally:
         dist.destroy_process_group()
+
+
+def test_chapter_06_quotes_the_referee_as_it_ran():
+    """The prose of chapter 06's section on the tracker quotes the stored outputs of its 7B cell
+    (nbval re-runs the cell, so these are the numbers a run prints)."""
+    import json
+    import pathlib
+    import re
+    nb = json.loads((pathlib.Path(__file__).parent.parent / "notebooks"
+                     / "06_memory_and_zero.ipynb").read_text())
+    prose = " ".join(" ".join("".join(c["source"]) for c in nb["cells"]
+                              if c["cell_type"] == "markdown").split())
+    out = next("".join(o.get("text", "")) for c in nb["cells"] if c["cell_type"] == "code"
+               for o in c["outputs"] if "Llama-2 7B, 8 ranks, 4096 tokens" in "".join(o.get("text", "")))
+    none, full = out.split("recompute full:")
+    ratio = [float(re.search(r"course / tracker = ([\d.]+)", part).group(1)) for part in (none, full)]
+    assert f"course {(ratio[0] - 1) * 100:.1f} % above" in prose
+    assert f"({(1 - ratio[1]) * 100:.1f} % below)" in prose
+
+    def term(part, name):
+        return [float(x) for x in re.search(name + r" +([\d.]+) +([\d.]+)", part).groups()]
+    shard = re.search(r"weight shard: ([\d.]+) GB", out).group(1)
+    ours, theirs = term(none, "model states")
+    assert abs(ours - theirs - float(shard)) <= 0.011 and f"bf16 shard, {shard} GB" in prose
+    ours, theirs = term(full, "model states")
+    assert f"by {ours - theirs:.2f} GB" in prose
+    assert f"bf16 weights, {term(full, 'gathered weights')[1]:.2f} GB" in prose
+    assert f"full bf16 gradient, {term(full, 'full gradients')[1]:.2f} GB" in prose
+    temp = re.search(r"Temp ([\d.]+)", none).group(1)
+    assert f"at once ({temp} GB" in prose
+    ours, theirs = term(full, "activations and temporaries")
+    assert f"{theirs:.2f} GB against {ours:.2f}" in prose

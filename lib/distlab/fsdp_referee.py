@@ -15,7 +15,7 @@ The setup follows the course's model: each block one FSDP unit, the embedding on
 norm and the LM head one (the root holds no parameter of its own: a root's parameters would
 stay gathered, and their gradient unreduced, until the end of backward); bf16 compute and bf16
 gradient reduction over fp32 shards (MixedPrecisionPolicy); the logits cast to float32 for the
-cross-entropy; the second step tracked, so Adam's state exists and the gradients start empty.
+cross-entropy; Adam's moments made before the tracked step, which starts with no gradient.
 """
 import torch
 import torch.distributed as dist
@@ -104,7 +104,12 @@ def fsdp2_peak(world_size, seq_len, micro_batch=1, recompute="none", shape=None)
                 optimizer.step()
                 optimizer.zero_grad()
 
-            step()                  # Adam's moments are made by its first step: not the peak
+            # Adam makes its moments at its first step; a step on zero gradients makes them
+            # without a forward and backward, so the tracked step starts from the steady state
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad()
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs((tokens, targets, cos, sin))
             with tracker:
@@ -132,3 +137,18 @@ def held_against_tracker(world_size, seq_len, micro_batch=1, recompute="none", s
                     sum(tracker["parts"].get(k, 0) for k in theirs))
              for name, (ours, theirs) in TERMS.items()}
     return {"course": course, "tracker": tracker, "terms": terms}
+
+
+def report(held, unit=1e9, unit_name="GB"):
+    """held_against_tracker's result as lines: the two peaks, then each term, the course's
+    beside the tracker's, with the tracker's categories that make it."""
+    course, tracker = held["course"], held["tracker"]
+    lines = [f"course {course['peak'] / unit:.2f} {unit_name} ({course['moment']}), "
+             f"FSDPMemTracker {tracker['peak'] / unit:.2f} {unit_name}: "
+             f"course / tracker = {course['peak'] / tracker['peak']:.3f}",
+             f"   {'':28} {'course':>7} {'tracker':>7}   (the tracker's categories)"]
+    for name, (ours, theirs) in held["terms"].items():
+        cats = ", ".join(f"{k} {tracker['parts'][k] / unit:.2f}"
+                         for k in TERMS[name][1] if k in tracker["parts"])
+        lines.append(f"   {name:28} {ours / unit:7.2f} {theirs / unit:7.2f}   {cats}")
+    return "\n".join(lines)
