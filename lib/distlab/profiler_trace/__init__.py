@@ -31,8 +31,8 @@ event for it on gloo, and on a GPU the host does not wait), so `waited` is 0 for
 read the exposed communication (`Trace.overlap`) instead: communication no compute hid.
 
 Why not HTA itself: it analyses GPU kernels only (on a CPU trace its overlap is NaN) and pulls in
-pandas, plotly and JupyterLab extras; this reader uses its definitions, and a test compares the
-two on a GPU-shaped trace when HTA is installed.
+pandas, plotly and JupyterLab extras; this reader uses its definitions, and tests compare the two
+(`make test` installs HTA): on a GPU-shaped trace, and a real GPU job's steps (viz.gpu_trace).
 """
 from .chrome import from_chrome
 from .files import _base_us, _default_group, _files, _load, _rank_of, _slices, _t0
