@@ -6,6 +6,8 @@ import time
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .ops import (_COLLECTIVES, _COMM_NAMESPACES, _NATIVE, _P2P, _dtype, _first_dtype, _flops,
@@ -22,6 +24,12 @@ class _DeviceMode(TorchDispatchMode):
         self.recorder = recorder
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # a DTensor op, charged here, would cost its global shapes on every rank: let DTensor
+        # run it on its local tensors, which come back here
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if any(issubclass(t, FakeTensor) for t in types):   # DTensor's shape inference
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         rec = self.recorder
         if rec.clock is not None and _meta(args):
@@ -31,7 +39,10 @@ class _DeviceMode(TorchDispatchMode):
             out = func(*args, **kwargs)
         if func.namespace in _COMM_NAMESPACES:
             name = func.__name__.split(".")[0]
-            if not rec.inside and not name.startswith(("wait", "barrier")):
+            # _wrap_tensor_autograd (torch 2.13) wraps a functional collective's result for
+            # autograd: it follows every DTensor collective and moves no data
+            if not rec.inside and not name.startswith(("wait", "barrier",
+                                                       "_wrap_tensor_autograd")):
                 rec.native(_NATIVE.get(name, name), _nbytes(args), _dtype(args))
         elif not getattr(func, "is_view", False):
             rec.ops += not rec.inside       # work done between a launch and its wait, plainly too
