@@ -4,6 +4,9 @@ DTensor tensor-parallel MLP (distlab.laptop_ways).
 
 - real ranks and LocalTensor give the dense MLP's output, input gradient and every parameter
   gradient, on every rank, within 1e-12 in float64 (measured: ≤ 1e-15);
+- under emulation, DTensor's ops cost their local shapes and its collectives sit on the critical
+  path (the course's tracer charged global shapes, 8x the FLOPs at tp = 8, and let the clock
+  run past DTensor's all-reduces);
 - CommDebugMode's collectives per pass (LocalTensor at the small size, the fake process group at
   Llama-3 8B's MLP size, tp = 8) equal the course's trace of the real run and of the emulated
   full-size run: one all_reduce in forward (fc2's partial sums) and one in backward (the input's
@@ -69,6 +72,13 @@ def test_fake_process_group_counts_equal_the_emulated_trace_at_full_size():
     # compute is charged at each rank's local shapes, not DTensor's global ones
     flops = sum(s["flops"] for s in e["trace"].compute(0) if s["name"] == "forward")
     assert flops == 2 * 2 * tokens * d * (ffn // 8)
+    # backward needs the forward's reduced output: it starts when that all-reduce ends, and the
+    # step ends with the backward's all-reduce (both on the critical path, as on a GPU)
+    (fwd_ar, bwd_ar) = e["trace"].comm(0)
+    backward = next(s for s in e["trace"].compute(0) if s["name"] == "backward")
+    assert backward["start"] >= fwd_ar["end"] > fwd_ar["launch"]
+    forward = next(s for s in e["trace"].compute(0) if s["name"] == "forward")
+    assert e["step"] >= bwd_ar["end"] - forward["start"] - 1e-12
 
 
 def test_rowwise_without_its_all_reduce_is_caught(ref):

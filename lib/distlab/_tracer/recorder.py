@@ -44,6 +44,11 @@ class _DeviceMode(TorchDispatchMode):
             if not rec.inside and not name.startswith(("wait", "barrier",
                                                        "_wrap_tensor_autograd")):
                 rec.native(_NATIVE.get(name, name), _nbytes(args), _dtype(args))
+                # A functional collective (DTensor's) is waited for where its result is first
+                # used: in eager DTensor code, the next op. On meta tensors it has no wait_tensor
+                # to see, so under emulation the caller waits for it at once.
+                if func.namespace == "_c10d_functional" and rec.clock is not None:
+                    rec.finish(rec.events[-1], None)
         elif not getattr(func, "is_view", False):
             rec.ops += not rec.inside       # work done between a launch and its wait, plainly too
             if rec.clock is not None and not rec.inside:   # backend ops: Recorder.backend
