@@ -420,6 +420,31 @@ def test_too_many_microbatches_is_one_sentence():
         distlab.run(_too_many_microbatches, 2, timeout=120)
 
 
+class _Boom(nn.Module):
+    """Raises in training (the shapes' dry run at construction has no autograd)."""
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            raise RuntimeError("boom")
+        return x
+
+
+def _raises_in_a_schedule(rank, world_size):
+    x, y = regression_data(4, 8, 8)
+    model = nn.Module()
+    model.net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Boom(), nn.Linear(8, 8))
+    pp.train(rank, world_size, ps.zb_v, model, [(x, y)], 2, (8,), v=2)
+
+
+def test_an_error_inside_a_schedule_names_its_stage_and_action():
+    """Stage 1 raises in its first forward of chunk 1 (virtual stage 2); stage 0 waits for its
+    messages. The learner gets stage 1's error, where it happened, and stage 0 is stopped at
+    once (not a RunTimeout after the 60 s)."""
+    with pytest.raises(distlab.RankFailed, match="rank 1 raised RuntimeError: boom") as e:
+        distlab.run(_raises_in_a_schedule, 2, timeout=60)
+    assert "stage 1 raised this in F0.1 (virtual stage 2)" in str(e.value)
+
+
 # ---- every schedule at odd sizes, and with stages that hold no parameters ------------------------
 
 def _schedule_and_v(name, p, m):
@@ -708,12 +733,15 @@ class _Tied(nn.Module):
 def _split_backward(part, x, grad):
     """ZB's I then W on one piece, as PipelineStage runs them: x's gradient and .grad."""
     from distlab.pipeline_parallel import _input_gradients, _weight_gradients, _weight_inputs
+    from distlab.pipeline_parallel.stage import _StageInput
+    anchor = torch.zeros((), dtype=x.dtype, requires_grad=True)
+    box = {"t": x.detach()}
     with _weight_inputs(part) as layers:
-        out = part(x)
-    s = {"inp": x, "out": out, "grad": grad, "layers": layers}
+        out = part(_StageInput.apply(anchor, box))
+    s = {"anchor": anchor, "out": out, "grad": grad, "layers": layers}
     _input_gradients(s)
     _weight_gradients(part, s)
-    return x.grad
+    return box["grad"]
 
 
 def test_split_backward_is_exact_with_a_layer_used_twice_and_a_tied_weight():
@@ -756,6 +784,33 @@ class _SharedNet(nn.Module):
         return self.net(x)
 
 
+class _ReluLinear(nn.Sequential):
+    """ReLU(inplace=True) then a Linear: a stage that begins here begins with an in-place op on
+    the input it received (or took from its other chunk at the V's turn)."""
+
+    def __init__(self, d):
+        super().__init__(nn.ReLU(inplace=True), nn.Linear(d, d))
+
+
+class _AcrossNet(nn.Module):
+    """Weights shared ACROSS stages: the layer at net.1 used again at net.5, net.4's weight tied
+    to net.2's; every piece but the first begins with ReLU(inplace=True). Cut in 2, 3, 4 or 6
+    pieces (p = 2, 3; loop, V and dual) the two uses land on two stages, on two chunks of one
+    stage, or in one piece."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            b, c, d, e = (_ReluLinear(8) for _ in range(4))
+            e[1].weight = c[1].weight
+            self.net = nn.Sequential(nn.Linear(SIZES[0], 8), b, c, d, e, b,
+                                     nn.Linear(8, SIZES[-1]))
+
+    def forward(self, x):
+        return self.net(x)
+
+
 # every schedule generator, and its chunks per stage
 _ALL = {"GPipe": (ps.gpipe, 1), "1F1B": (ps.one_f_one_b, 1), "ZB-H1": (ps.zb_h1, 1),
         "interleaved 1F1B": (lambda p, m: ps.interleaved_1f1b(p, m, 2), 2),
@@ -763,9 +818,27 @@ _ALL = {"GPipe": (ps.gpipe, 1), "1F1B": (ps.one_f_one_b, 1), "ZB-H1": (ps.zb_h1,
 
 
 def _shared_and_frozen(rank, world_size, batches, m):
-    return {name: pp.train(rank, world_size, make, _SharedNet(), batches, m, (SIZES[0],), v=v,
-                           lr=LR, dtype=torch.float64)
-            for name, (make, v) in _ALL.items() if name != "DualPipe" or world_size % 2 == 0}
+    return [{name: pp.train(rank, world_size, make, net(), batches, m, (SIZES[0],), v=v,
+                            lr=LR, dtype=torch.float64)
+             for name, (make, v) in _ALL.items() if name != "DualPipe" or world_size % 2 == 0}
+            for net in (_SharedNet, _AcrossNet)]
+
+
+def _one_process(model, batches):
+    """Loss, every gradient and every weight after each SGD step, by every name (a shared
+    weight under each of its names)."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    expected = []
+    for bx, by in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(bx.double()), by.double())
+        loss.backward()
+        every = list(model.net.named_parameters(remove_duplicate=False))
+        grads = {f"net.{n}": None if q.grad is None else q.grad.clone() for n, q in every}
+        opt.step()
+        expected.append(dict(loss=loss.item(), grads=grads,
+                             params={f"net.{n}": q.detach().clone() for n, q in every}))
+    return expected
 
 
 @pytest.mark.parametrize("p", [2, 3])
@@ -773,7 +846,8 @@ def test_every_schedule_is_exact_with_shared_and_frozen_weights(p):
     """A layer used twice and a weight tied inside a stage (the split backward's W counted the
     first use twice), a frozen layer through train (it cloned a None gradient), and DualPipe's
     summed copies (a frozen gradient became zeros): every schedule equals one process in
-    float64 - loss, every gradient with its None-ness, every weight after each step."""
+    float64 - loss, every gradient with its None-ness, every weight after each step. The same
+    launch trains _AcrossNet (weights shared across stages, stages that begin in place)."""
     x, y = regression_data(64, SIZES[0], SIZES[-1], seed=1)
     batches = batches_of(x, y, 23, 2)                      # unequal micro-batches
     model = _SharedNet().double()
@@ -789,7 +863,9 @@ def test_every_schedule_is_exact_with_shared_and_frozen_weights(p):
         expected.append(dict(loss=loss.item(), grads=grads, params={
             f"net.{n}": q.detach().clone() for n, q in model.net.named_parameters()}))
     assert sum(g is None for g in expected[0]["grads"].values()) == 4     # frozen: 2 + 2 biases
-    got = distlab.run(_shared_and_frozen, p, batches, 2 * p, timeout=120)
+    launched = distlab.run(_shared_and_frozen, p, batches, 2 * p, timeout=120)
+    got = [r[0] for r in launched]
+    _check_across([r[1] for r in launched], _one_process(_AcrossNet().double(), batches), p)
     for name in got[0]:
         copies = 2 if name == "DualPipe" else 1                # DualPipe holds every piece twice
         names = sorted(n for r in got for n in r[name][0]["grads"])
@@ -804,6 +880,31 @@ def test_every_schedule_is_exact_with_shared_and_frozen_weights(p):
                 for n, g in r[name][step]["grads"].items():
                     assert (g is None) == (exp["grads"][n] is None), \
                         f"{where}: gradient of {n} is {g!r:.20}, one process's {exp['grads'][n]!r:.20}"
+                    torch.testing.assert_close(g, exp["grads"][n], rtol=1e-12, atol=1e-14,
+                                               msg=lambda m, n=n: f"{where}: gradient of {n}: {m}")
+                    torch.testing.assert_close(r[name][step]["params"][n], exp["params"][n],
+                                               rtol=1e-12, atol=1e-14,
+                                               msg=lambda m, n=n: f"{where}: {n}: {m}")
+
+
+def _check_across(got, expected, p):
+    """_AcrossNet under every schedule: a weight on two stages is two copies whose gradients
+    were never summed (each trained on its own use's share), and a stage beginning with
+    ReLU(inplace=True) raised torch's 'a leaf Variable that requires grad is being used in an
+    in-place operation' (interleaved 1F1B, ZB-V, DualPipeV at p = 2). Every copy must hold the
+    summed gradient and the same weights as one process, loss and None-ness included."""
+    one = {n for n in expected[0]["grads"]}
+    for name in got[0]:
+        held = {n for r in got for n in r[name][0]["grads"]}
+        # every parameter of one process is held (a tie inside a piece shows its first name)
+        assert {"net.0.weight", "net.1.1.weight", "net.2.1.weight", "net.6.bias"} <= held <= one
+        for step, exp in enumerate(expected):
+            where = f"_AcrossNet, {name} at p={p}, step {step}"
+            losses = [r[name][step]["loss"] for r in got if r[name][step]["loss"] is not None]
+            assert losses and all(x == pytest.approx(exp["loss"], rel=1e-12) for x in losses), \
+                where
+            for r in got:
+                for n, g in r[name][step]["grads"].items():
                     torch.testing.assert_close(g, exp["grads"][n], rtol=1e-12, atol=1e-14,
                                                msg=lambda m, n=n: f"{where}: gradient of {n}: {m}")
                     torch.testing.assert_close(r[name][step]["params"][n], exp["params"][n],

@@ -24,14 +24,19 @@ used twice (a layer applied twice, two layers tied) gets one product per use, ea
 Real size: a model built on the meta device runs as is (shapes, no values) under emulation;
 `real_size_step` is a pipeline of Llama-2 7B blocks for the chapter's bubble at real size.
 
+A weight in two pieces that land on two stages (an embedding tied to the output head, a layer
+used at both ends) is held as a copy on each: the copies start equal and their gradients are
+summed before the step (`sum_copies`, in `train`), as DualPipe's twins are.
+
 The package, one module per idea: `stage` (split_model, PipelineStage), `split_backward` (I and
-W), `training` (train, sum_dual_copies), `real_size` (Llama blocks on meta, action and message
-times).
+W), `shared` (copies of a parameter on several stages), `training` (train, sum_dual_copies),
+`real_size` (Llama blocks on meta, action and message times).
 """
 import torch.distributed as dist  # noqa: F401  (tests swap dist.recv / dist.isend through it)
 
 from .real_size import (LLAMA2_7B, LlamaBlock, action_times, llama_parts, message_seconds,
                         real_size_step, weight_grad_seconds)
+from .shared import holders, sum_copies, sync_copies
 from .split_backward import _input_gradients, _vjp_root, _weight_gradients, _weight_inputs
 from .stage import (ACTIVATION, GRADIENT, PipelineStage, _common_clock, _now, _output_shapes,
                     micro_batch_sizes, split_model)

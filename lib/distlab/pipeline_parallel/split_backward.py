@@ -4,15 +4,14 @@ import torch
 
 
 def _input_gradients(s):
-    """I: the input's gradient, and on the way the gradient at every layer output that feeds a
+    """I: the input's gradient (asking for the stage's anchor runs the input's node, which keeps
+    it: see stage._StageInput), and on the way the gradient at every layer output that feeds a
     weight (what W needs): autograd skips the weight-gradient products, which nothing asked for.
     retain_graph: W reuses the graph."""
-    want = ([s["inp"]] if s["inp"].requires_grad else []) + [o for _, o in s["layers"]]
+    want = ([s["anchor"]] if "anchor" in s else []) + [o for _, o in s["layers"]]
     got = torch.autograd.grad(_vjp_root(s["out"], s["grad"]), want, retain_graph=True,
                               allow_unused=True) if want else []
-    if s["inp"].requires_grad:
-        s["inp"].grad, got = got[0], got[1:]
-    s["layer_grads"] = list(got)
+    s["layer_grads"] = list(got[1:] if "anchor" in s else got)
 
 
 class _weight_inputs:

@@ -9,6 +9,7 @@ import torch.nn as nn
 from .. import trace
 from ..devices import device
 from ..pipeline_schedules import normalize, placement_of, stage_of, virtual_stage
+from .shared import holders, sync_copies
 from .split_backward import _input_gradients, _vjp_root, _weight_gradients, _weight_inputs
 
 # send/recv pair messages by (peer, tag) in order. Activations and gradients can travel the
@@ -100,9 +101,14 @@ class PipelineStage:
         self.in_shape, self.dtype = tuple(in_shape), dtype
         self.chunks = {c: parts[self._vs(c)] for c in range(self.v)}
         self.timeline, self.peak_activation_bytes, self.peak_in_flight = [], 0, 0
+        # a parameter in two pieces (tied, reused) has a copy on each stage holding one
+        self.holders = holders(parts, world_size, self.placement)
+        sync_copies(self)
 
     def parameters(self):
-        return [p for c in sorted(self.chunks) for p in self.chunks[c].parameters()]
+        """This stage's parameters, each once (two chunks may share one: one step, not two)."""
+        return list({id(p): p for c in sorted(self.chunks)
+                     for p in self.chunks[c].parameters()}.values())
 
     # -- where the pieces are ---------------------------------------------------------------------
     def _vs(self, chunk):
@@ -139,22 +145,29 @@ class PipelineStage:
     def forward(self, chunk, mb, x, y, loss_fn):
         """F: get the input (the batch's rows, our other chunk's output, or a message), run the
         chunk, send the output on; the last piece returns its share of the batch's loss."""
-        vs, rows = self._vs(chunk), self._rows[mb]
+        vs, rows, s = self._vs(chunk), self._rows[mb], {}
         if vs == 0:
             inp = x[rows]
         elif self._mine(vs - 1, chunk):
-            inp = self._state[self._local(vs - 1, chunk), mb]["out"].detach().requires_grad_()
+            inp = self._input(self._state[self._local(vs - 1, chunk), mb]["out"].detach(), s)
         else:
-            inp = self._recv(vs - 1, chunk, (len(y[rows]), *self.shapes[vs - 1]),
-                             ACTIVATION).requires_grad_()
+            inp = self._input(self._recv(vs - 1, chunk, (len(y[rows]), *self.shapes[vs - 1]),
+                                         ACTIVATION), s)
         self._start = _now()                     # the action's time starts once its input is here
         out = self.chunks[chunk](inp)
         if vs == self.n - 1:                     # the micro-batch's mean loss x its share of the batch
             out = loss_fn(out, y[rows]) * (len(y[rows]) / len(y))
         elif not self._mine(vs + 1, chunk):
             self._send(out, vs + 1, chunk, ACTIVATION)
-        self._state[chunk, mb] = {"inp": inp, "out": out}
+        self._state[chunk, mb] = {**s, "inp": inp, "out": out}
         return out
+
+    def _input(self, t, s):
+        """The input as autograd's graph sees it: not a leaf (a leaf that requires grad refuses
+        in-place ops, and a stage may begin with ReLU(inplace=True)), no copy either; its
+        gradient lands in s["box"] (see _StageInput)."""
+        s["anchor"], s["box"] = self._anchor, {"t": t}
+        return _StageInput.apply(self._anchor, s["box"])
 
     def backward(self, chunk, mb, split=False):
         """B (or, split, I: the input's gradient only; W comes later): get the output's gradient
@@ -163,7 +176,7 @@ class PipelineStage:
         if vs == self.n - 1:
             s["grad"] = None
         elif self._mine(vs + 1, chunk):
-            s["grad"] = self._state[self._local(vs + 1, chunk), mb]["inp"].grad
+            s["grad"] = self._state[self._local(vs + 1, chunk), mb]["in_grad"]
         else:
             s["grad"] = self._recv(vs + 1, chunk, s["out"].shape, GRADIENT)
         self._start = _now()
@@ -171,8 +184,11 @@ class PipelineStage:
             _input_gradients(s)
         elif s["out"].requires_grad:             # a first piece without weights has nothing to do
             _vjp_root(s["out"], s["grad"]).backward()
+        if vs > 0:                               # none: the output ignores the input
+            g = s["box"].get("grad")
+            s["in_grad"] = torch.zeros_like(s["inp"]) if g is None else g
         if vs > 0 and not self._mine(vs - 1, chunk):
-            self._send(s["inp"].grad, vs - 1, chunk, GRADIENT)
+            self._send(s["in_grad"], vs - 1, chunk, GRADIENT)
 
     # -- one training step ------------------------------------------------------------------------
     def step(self, actions, x, y, n_microbatches, loss_fn):
@@ -189,17 +205,33 @@ class PipelineStage:
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self._rows = [slice(o, o + n) for o, n in zip(offsets, sizes)]
         self._device = torch.device("meta") if self.meta else device()
-        self._pending, self._state, total = [], {}, None
-        held, self._held_bytes = {}, 0
+        self._pending, self._state = [], {}
+        self._anchor = torch.zeros((), dtype=self.dtype, device=self._device, requires_grad=True)
         self.timeline, self.peak_activation_bytes, self.peak_in_flight = [], 0, 0
+        t0 = _common_clock(self.group)
+        try:
+            total = self._run(actions, x, y, loss_fn, t0)
+        except Exception as e:      # (a refusal of ours names its stage and action itself)
+            if not isinstance(e, ValueError):
+                a = self._action
+                e.add_note(f"stage {self.rank} raised this in {a!r} (virtual stage "
+                           f"{self._vs(a.chunk)}); the stages waiting for its messages are "
+                           f"stopped at once by distlab.run, elsewhere at their timeout.")
+            raise
+        for work, _ in self._pending:
+            work.wait()
+        return total
+
+    def _run(self, actions, x, y, loss_fn, t0):
+        """step's loop: the actions, with the accounting around forward and backward."""
+        total, held, self._held_bytes = None, {}, 0
         # Saved tensors that are weights are not activations. (Meta tensors have no storage
         # to tell apart: there, every saved tensor that is not a parameter counts.)
         param_storages = {p.untyped_storage().data_ptr() for p in self.parameters()
                           if not p.is_meta}
         param_ids = {id(p) for p in self.parameters()}
-        t0 = _common_clock(self.group)
-
         for a in actions:
+            self._action = a
             if a.chunk not in self.chunks:
                 raise ValueError(f"stage {self.rank} has {self.v} chunk(s); {a!r} names chunk "
                                  f"{a.chunk}.")
@@ -229,12 +261,29 @@ class PipelineStage:
             if a.kind in "BW":
                 self._held_bytes -= held.pop(key)
                 if vs == 0 or not self._mine(vs - 1, a.chunk):
-                    del self._state[key]  # the piece before on this rank still reads inp.grad
+                    del self._state[key]  # the piece before on this rank still reads in_grad
             self.timeline.append(dict(stage=self.rank, kind=a.kind, mb=a.mb, chunk=a.chunk,
                                       start=self._start - t0, end=_now() - t0))
-        for work, _ in self._pending:
-            work.wait()
         return total
+
+
+class _StageInput(torch.autograd.Function):
+    """A stage's input box["t"] (a received buffer, or our other chunk's output) returned as a
+    non-leaf that requires grad, through `anchor` (a scalar leaf that requires grad): t itself,
+    no copy. Its backward keeps the gradient of the input's value before any in-place op in
+    box["grad"]: all the stage must keep to send the input's gradient back. (t travels in the
+    box, not as an argument: autograd treats an argument returned as-is, or marked dirty, as a
+    view that refuses in-place ops, or bumps its version.)"""
+
+    @staticmethod
+    def forward(ctx, anchor, box):
+        ctx.box = box               # a dict of its own: the stage's state holds the graph
+        return box.pop("t")
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.box["grad"] = grad
+        return None, None
 
 
 def _now():

@@ -1,10 +1,12 @@
 """Training a model pipelined: `train` runs a schedule for several SGD steps; DualPipe's two
-copies of every piece have their gradients summed by `sum_dual_copies`."""
+copies of every piece have their gradients summed by `sum_dual_copies`, the copies of a weight
+tied across stages by `sum_copies`."""
 import torch
 import torch.distributed as dist
 
 from ..devices import device
 from ..pipeline_schedules import n_pieces, placement_of
+from .shared import sum_copies
 from .stage import PipelineStage, split_model
 
 
@@ -14,6 +16,9 @@ def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, 
     chunks sit, the schedule says: a ps.Schedule's placement, else "loop"). In the dual placement
     (DualPipe) the model is cut into p pieces, each held by two stages: before the step the two
     copies' gradients are summed (`sum_dual_copies`), and the loss is the sum of the two ends'.
+    A weight in two pieces (tied, or a layer used twice) has a copy on each stage that holds
+    one: their gradients are summed before the step too (`sum_copies`), as Megatron does for the
+    embedding tied between its first and last stage.
 
     Returns, per step, this rank's loss (last stage, else None), gradients and parameters after
     the step by full-model name, and the timeline; for tests and the notebook.
@@ -37,6 +42,8 @@ def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, 
         loss = stage.step(actions, x, y, n_microbatches, loss_fn)
         if dual:
             loss = sum_dual_copies(stage, loss)
+        else:                       # a weight tied across stages: its copies' gradients summed
+            sum_copies(stage)
         # a frozen (or unused) weight has no gradient, as in one process: None, not zeros
         grads = {n: None if p.grad is None else p.grad.clone() for n, p in named}
         with torch.no_grad():
@@ -55,34 +62,20 @@ def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, 
 def sum_dual_copies(stage, loss=None):
     """DualPipe holds every piece twice: stage r's chunk 0 and stage p - 1 - r's chunk 1 are
     the same layers, each with the gradient of the micro-batches that crossed it. Swap them with
-    the partner stage and add, so both copies hold the whole gradient (and take the same step);
-    the two ends' partial losses are summed the same way. A weight that has a gradient on
-    neither copy (frozen, or unused) keeps None, as one process leaves it. Returns the loss on
-    stages 0 and p - 1, else None."""
+    the partner stage and add (`sum_copies`, which sums every parameter over the stages holding
+    it), so both copies hold the whole gradient (and take the same step); the two ends' partial
+    losses are summed the same way. A weight that has a gradient on neither copy (frozen, or
+    unused) keeps None, as one process leaves it. Returns the loss on stages 0 and p - 1, else
+    None."""
+    sum_copies(stage)
+    if stage.rank not in (0, stage.p - 1):
+        return None
     partner = stage.p - 1 - stage.rank
     peer = dist.get_global_rank(stage.group, partner) if stage.group else partner
-    params = [list(stage.chunks[c].parameters()) for c in (0, 1)]
-    ends = stage.rank in (0, stage.p - 1)
-    where = dict(dtype=stage.dtype, device=device())
-
-    def flat(tensors):
-        return torch.cat([t.reshape(-1) for t in tensors] + [torch.zeros(0, **where)])
-    # ours: chunk 0's gradients, chunk 1's, which of them exist (1) or are None (0), the loss
-    parts = [flat(q.grad if q.grad is not None else torch.zeros_like(q) for q in qs)
-             for qs in params]
-    parts += [torch.tensor([float(q.grad is not None) for q in qs], **where) for qs in params]
-    parts.append(torch.zeros(int(ends), **where) if loss is None else loss.detach().reshape(-1))
-    mine = torch.cat(parts)
+    mine = torch.zeros(1, dtype=stage.dtype, device=device()) if loss is None else \
+        loss.detach().reshape(1)
     theirs = torch.empty_like(mine)
     send = dist.isend(mine, dst=peer, group=stage.group)
     dist.recv(theirs, src=peer, group=stage.group)
     send.wait()
-    # the partner's chunk 1 is our chunk 0 and vice versa: its parts, each pair swapped
-    a, b, fa, fb, their_loss = theirs.split([len(parts[1]), len(parts[0]), len(parts[3]),
-                                             len(parts[2]), len(parts[4])])
-    for qs, ours, got, flags, their_flags in ((params[0], parts[0], b, parts[2], fb),
-                                              (params[1], parts[1], a, parts[3], fa)):
-        total = (ours + got).split([q.numel() for q in qs])
-        for q, g, f, tf in zip(qs, total, flags.tolist(), their_flags.tolist()):
-            q.grad = g.view_as(q).clone() if f or tf else None
-    return parts[4][0] + their_loss[0] if ends else None
+    return mine[0] + theirs[0]
