@@ -508,13 +508,6 @@ DEFECTS = {
                           "parameters, each trained on its own use's gradient",
     ("vocab", "frozen", 2): "VocabParallelEmbedding.from_dense drops requires_grad=False: the "
                             "frozen embedding gets a gradient and trains",
-    ("pipeline", "tied", 3): "a weight tied across stages (net.0 and net.4, ZB-H1 at p=3) is held "
-                             "as two copies whose gradients are never summed",
-    ("pipeline", "reused", 5): "a Linear used at net.0 and net.4 (ZB-V at p=5) lands on two "
-                               "stages as two copies whose gradients are never summed",
-    ("pipeline", "inplace", 6): "a stage that begins with ReLU(inplace=True) (DualPipeV at p=6) "
-                                "raises torch's 'a leaf Variable that requires grad is being used "
-                                "in an in-place operation.' and its neighbour hangs",
     ("3d", "frozen", 2): "Stage3D (ParallelBlock.from_dense) drops requires_grad=False: the "
                          "frozen blocks.0.ln1 and attn.qkv train",
     ("4d", "frozen", 2): "Stage4D (ParallelBlock.from_dense) drops requires_grad=False: the "
