@@ -498,16 +498,6 @@ def _run_cells(rank, world_size, cells):
 
 # Defects the matrix found (one line each); the cell turns red when the library is fixed.
 DEFECTS = {
-    ("tp", "frozen", 2): "ParallelBlock.from_dense drops requires_grad=False: the frozen ln1 and "
-                         "attn.qkv get gradients and train",
-    ("tp_sp", "frozen", 2): "ParallelBlock.from_dense drops requires_grad=False: the frozen ln1 "
-                            "and attn.qkv get gradients and train",
-    ("tp", "tied", 3): "ParallelBlock.from_dense unties ln2.weight from ln1.weight: two "
-                       "parameters, each trained on its own use's gradient",
-    ("tp_sp", "tied", 3): "ParallelBlock.from_dense unties ln2.weight from ln1.weight: two "
-                          "parameters, each trained on its own use's gradient",
-    ("vocab", "frozen", 2): "VocabParallelEmbedding.from_dense drops requires_grad=False: the "
-                            "frozen embedding gets a gradient and trains",
     ("3d", "frozen", 2): "Stage3D (ParallelBlock.from_dense) drops requires_grad=False: the "
                          "frozen blocks.0.ln1 and attn.qkv train",
     ("4d", "frozen", 2): "Stage4D (ParallelBlock.from_dense) drops requires_grad=False: the "

@@ -110,11 +110,25 @@ def test_column_and_row_linear_equal_dense(ws):
 
 # ---- the block, trained for several steps -------------------------------------------------------
 
-def _train_block_case(rank, ws, sequence_parallel, steps=3, group=None, data_seed=0):
-    """SGD on the dense block and on its TP twin; compare loss, every grad, params each step."""
+def _uses(module):
+    """{name: (requires_grad, the names that share its Parameter)}, every name of every use."""
+    every = list(module.named_parameters(remove_duplicate=False))
+    return {n: (p.requires_grad, sorted(m for m, q in every if q is p)) for n, p in every}
+
+
+def _train_block_case(rank, ws, sequence_parallel, steps=3, group=None, data_seed=0,
+                      frozen_and_tied=False):
+    """SGD on the dense block and on its TP twin; compare loss, every grad, params each step.
+    frozen_and_tied: attn.qkv and ln2.bias frozen, ln2.weight tied to ln1.weight (one Parameter
+    used twice); the twin must keep both, None gradients included."""
     torch.manual_seed(0)  # the same dense block on every rank
     dense = Block(4 * ws, ws, 8 * ws).to(F64)
+    if frozen_and_tied:
+        dense.attn.qkv.requires_grad_(False)
+        dense.ln2.bias.requires_grad_(False)
+        dense.ln2.weight = dense.ln1.weight
     tp = tpm.ParallelBlock.from_dense(dense, group, sequence_parallel)
+    assert _uses(tp) == _uses(dense), f"from_dense: {_uses(tp)}, dense: {_uses(dense)}"
     seq = 2 * dist.get_world_size(group)
     cut = (lambda t: tpm.sequence_slice(t, group)) if sequence_parallel else (lambda t: t)
     opt_d = torch.optim.SGD(dense.parameters(), lr=0.1)
@@ -142,7 +156,11 @@ def _train_block_case(rank, ws, sequence_parallel, steps=3, group=None, data_see
         close(f"{where} input grad", xt.grad, cut(xd.grad))
         expected = tpm.dense_shards(tp, dense, grads=True)
         for name, p in tp.named_parameters():
-            close(f"{where} grad of {name}", p.grad, expected[name])
+            if (p.grad is None) != (expected[name] is None):
+                raise AssertionError(f"{where} grad of {name}: dense None is "
+                                     f"{expected[name] is None}, TP None is {p.grad is None}")
+            if p.grad is not None:
+                close(f"{where} grad of {name}", p.grad, expected[name])
         opt_d.step()
         opt_t.step()
         expected = tpm.dense_shards(tp, dense)
@@ -152,12 +170,15 @@ def _train_block_case(rank, ws, sequence_parallel, steps=3, group=None, data_see
 
 
 def _both_modes_case(rank, ws):
-    return [_train_block_case(rank, ws, sp) for sp in (False, True)]
+    return [_train_block_case(rank, ws, sp, frozen_and_tied=odd) for sp in (False, True)
+            for odd in (False, True)]
 
 
 @pytest.mark.parametrize("ws", [1, 2, 3, 4, 5, 6])
 def test_block_trains_like_dense_with_and_without_sequence_parallel(ws):
-    assert distlab.run(_both_modes_case, ws, timeout=TIMEOUT) == [[True, True]] * ws
+    """Also with frozen parameters and a LayerNorm weight tied to the other's (before, from_dense
+    trained the frozen ones and untied the tie)."""
+    assert distlab.run(_both_modes_case, ws, timeout=TIMEOUT) == [[True] * 4] * ws
 
 
 def _mesh_case(rank, ws):
@@ -283,11 +304,19 @@ def _error_case(rank, ws, uncaught=False):
     attempts = {"column": lambda: tpm.ColumnParallelLinear(4, 10),
                 "row": lambda: tpm.RowParallelLinear(7, 4),
                 "heads": lambda: tpm.ParallelAttention(16, 4),
-                "seq": lambda: tpm.sequence_slice(torch.zeros(1, 5, 4), None)}
+                "seq": lambda: tpm.sequence_slice(torch.zeros(1, 5, 4), None),
+                "tied": lambda: tpm.ParallelBlock.from_dense(_square_tied_block())}
     messages = _messages_of(attempts)
     if uncaught and rank == 1:
         tpm.ColumnParallelLinear(4, 10)  # as a learner meets it
     return messages
+
+
+def _square_tied_block():
+    """A block whose MLP is square (hidden = d_model) with fc2's weight tied to fc1's."""
+    block = Block(6, 3, 6).to(F64)
+    block.mlp.fc2.weight = block.mlp.fc1.weight
+    return block
 
 
 def test_dimension_that_does_not_divide_is_a_clear_error():
@@ -302,6 +331,11 @@ def test_dimension_that_does_not_divide_is_a_clear_error():
                             ("heads", "n_heads", 4), ("seq", "seq_len", 5)]:
         assert messages[key] == (f"{what} = {size} does not split evenly across 3 "
                                  f"tensor-parallel ranks; choose a multiple of 3.")
+    # a tie of parameters split across ranks cannot be kept: refused, never silently untied
+    assert messages["tied"] == (
+        "ParallelMLP.from_dense cannot keep fc1.weight and fc2.weight tied: tensor parallelism "
+        "splits fc1.weight across ranks; untie them (give each its own nn.Parameter) or leave "
+        "them out of the tensor-parallel module.")
 
 
 # ---- communication volume and activation memory -------------------------------------------------

@@ -123,7 +123,30 @@ def _case(rank, ws):
     close("loss_parallel: loss", dtensor_loss.full_tensor(), our_loss)
     close("loss_parallel: logit-shard grad", theirs.grad, ours.grad)
     checked += _ignored_and_refused(ws)
-    return checked
+    return checked + _frozen(ws)
+
+
+def _frozen(ws):
+    """A frozen embedding and head bias stay frozen (before, from_dense made fresh Parameters
+    that trained): no gradient for them, the head's weight gradient equal to the dense one."""
+    vocab, d = 4 * ws + 1, 5
+    emb, head = _dense(vocab, d, False, seed=1)
+    emb.requires_grad_(False)
+    head.bias.requires_grad_(False)
+    g = torch.Generator().manual_seed(7)
+    ids, target = torch.randint(0, vocab, (2, 3, 2 * ws), generator=g)
+    loss, _ = _lm(emb, head, ids, target)
+    loss.backward()
+    pe = vp.VocabParallelEmbedding.from_dense(emb)
+    ph = vp.ParallelLMHead.from_dense(head)
+    frozen = [p.requires_grad for p in (pe.weight, ph.weight, ph.bias)]
+    assert frozen == [False, True, False], f"requires_grad of emb, head, bias: {frozen}"
+    ploss, _ = _lm(pe, ph, ids, target, parallel=True, vocab=vocab)
+    ploss.backward()
+    close("frozen: loss", ploss, loss)
+    assert pe.weight.grad is None and ph.bias.grad is None, "a frozen parameter got a gradient"
+    close("frozen: head grad", ph.weight.grad, ph.shard_of(head.weight.grad))
+    return ["frozen embedding and head bias"]
 
 
 def _ignored_and_refused(ws):
@@ -182,7 +205,7 @@ def _ignored_and_refused(ws):
 @pytest.mark.parametrize("ws", [2, 3])
 def test_vocab_parallel_embedding_head_and_loss_equal_dense(ws):
     results = distlab.run(_case, ws, timeout=120)
-    assert all(len(r) == 4 + 18 for r in results) and results[0] == results[-1]
+    assert all(len(r) == 4 + 18 + 1 for r in results) and results[0] == results[-1]
 
 
 def test_padding_and_refusals():

@@ -96,6 +96,7 @@ class VocabParallelEmbedding(_VocabSharded):
                     dtype=embedding.weight.dtype, **kw)
         with torch.no_grad():
             layer.weight.copy_(layer.shard_of(embedding.weight))
+        layer.weight.requires_grad_(embedding.weight.requires_grad)   # a frozen table stays so
         return layer.to(embedding.weight.device)
 
     def forward(self, ids):
@@ -158,6 +159,10 @@ class ParallelLMHead(_VocabSharded):
                 layer.weight.copy_(layer.shard_of(linear.weight))
             if layer.bias is not None:
                 layer.bias.copy_(layer.shard_of(linear.bias))
+        if kw.get("tie_to") is None:          # a tied weight is the embedding's, frozen or not
+            layer.weight.requires_grad_(linear.weight.requires_grad)
+        if layer.bias is not None:
+            layer.bias.requires_grad_(linear.bias.requires_grad)
         return layer.to(linear.weight.device)
 
     def forward(self, x):

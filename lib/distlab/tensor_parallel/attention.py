@@ -6,7 +6,8 @@ import torch.nn.functional as F
 import torch.distributed as dist
 
 from ..tp_comm import all_gather_fwd_reduce_scatter_bwd
-from .layers import ColumnParallelLinear, RowParallelLinear, _copy_shards, per_rank
+from .layers import (ColumnParallelLinear, RowParallelLinear, _copy_shards, match_dense,
+                     per_rank)
 
 
 class ParallelAttention(nn.Module):
@@ -64,7 +65,7 @@ class ParallelAttention(nn.Module):
                  n_kv_heads=getattr(attn, "n_kv_heads", None))
         _copy_shards(tp.qkv, attn.qkv)
         _copy_shards(tp.proj, attn.proj)
-        return tp.to(attn.proj.weight.device)
+        return match_dense(tp.to(attn.proj.weight.device), attn, "ParallelAttention.from_dense")
 
     def forward(self, x):
         q, k, v = self.qkv(x).split(self.qkv.local_sizes, dim=-1)  # the whole sequence, our heads

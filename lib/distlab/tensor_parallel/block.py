@@ -4,7 +4,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import ParallelAttention
-from .layers import ColumnParallelLinear, RowParallelLinear, _copy_shards, replicated
+from .layers import (ColumnParallelLinear, RowParallelLinear, _copy_shards, match_dense,
+                     replicated)
 
 
 class ParallelMLP(nn.Module):
@@ -27,7 +28,7 @@ class ParallelMLP(nn.Module):
                  dtype=mlp.fc1.weight.dtype)
         _copy_shards(tp.fc1, mlp.fc1)
         _copy_shards(tp.fc2, mlp.fc2)
-        return tp.to(mlp.fc1.weight.device)
+        return match_dense(tp.to(mlp.fc1.weight.device), mlp, "ParallelMLP.from_dense")
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))
@@ -59,7 +60,7 @@ class ParallelBlock(nn.Module):
         tp.ln2.load_state_dict(block.ln2.state_dict())
         tp.attn = ParallelAttention.from_dense(block.attn, group, sequence_parallel)
         tp.mlp = ParallelMLP.from_dense(block.mlp, group, sequence_parallel)
-        return tp.to(block.ln1.weight.device)
+        return match_dense(tp.to(block.ln1.weight.device), block, "ParallelBlock.from_dense")
 
     def _norm(self, ln, x):
         if not self.sequence_parallel:

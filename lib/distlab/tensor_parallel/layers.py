@@ -64,7 +64,8 @@ class ColumnParallelLinear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
                     dtype=linear.weight.dtype, **kw)
         _copy_shards(layer, linear)
-        return layer.to(linear.weight.device)     # shards live where the dense layer lived
+        # shards live where the dense layer lived
+        return match_dense(layer.to(linear.weight.device), linear, f"{cls.__name__}.from_dense")
 
     def forward(self, x):
         if self.sequence_parallel:
@@ -103,7 +104,8 @@ class RowParallelLinear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
                     dtype=linear.weight.dtype, **kw)
         _copy_shards(layer, linear)
-        return layer.to(linear.weight.device)     # shards live where the dense layer lived
+        # shards live where the dense layer lived
+        return match_dense(layer.to(linear.weight.device), linear, f"{cls.__name__}.from_dense")
 
     def forward(self, x):
         if not self.input_is_parallel:
@@ -138,3 +140,29 @@ def _copy_shards(layer, dense):
         layer.weight.copy_(layer.shard_of(dense.weight))
         if layer.bias is not None:
             layer.bias.copy_(layer.shard_of(dense.bias))
+
+
+def match_dense(tp, dense, who):
+    """`tp` (built by `who` from `dense`, same parameter names) with what the dense module says
+    beyond the values: which parameters are frozen, and which names share one Parameter.
+
+    Fresh Parameters forget both: a frozen layer would train, and a tie would become two
+    parameters, each trained on its own use's gradient. A tie is kept where every rank holds the
+    whole parameter under each name (a LayerNorm's weight used twice: the uses' gradients add up
+    in the one Parameter on every rank); a tie of a parameter split across ranks is refused."""
+    uses = {}
+    for name, p in dense.named_parameters(remove_duplicate=False):
+        uses.setdefault(id(p), []).append(name)
+    for names in (n for n in uses.values() if len(n) > 1):
+        split = [n for n in names if tp.get_parameter(n).shape != dense.get_parameter(n).shape]
+        if split:
+            raise ValueError(f"{who} cannot keep {' and '.join(names)} tied: tensor parallelism "
+                             f"splits {split[0]} across ranks; untie them (give each its own "
+                             f"nn.Parameter) or leave them out of the tensor-parallel module.")
+        whole = tp.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(tp.get_submodule(owner), attr, whole)
+    for name, p in tp.named_parameters():
+        p.requires_grad_(dense.get_parameter(name).requires_grad)
+    return tp

@@ -7,15 +7,16 @@ from .layers import per_rank
 
 
 def dense_shards(tp_module, dense_module, grads=False):
-    """{name: this rank's shard of the dense module's parameter (or its .grad)} for every
-    parameter of `tp_module`; the names are the same in both modules."""
+    """{name: this rank's shard of the dense module's parameter (or its .grad: None where the
+    dense one has none, a frozen parameter's)} for every parameter of `tp_module`; the names are
+    the same in both modules."""
     out = {}
     for name, _ in tp_module.named_parameters():
         owner, _, attr = name.rpartition(".")
         full = getattr(dense_module.get_submodule(owner), attr)
         full = full.grad if grads else full.detach()
         sub = tp_module.get_submodule(owner)
-        out[name] = sub.shard_of(full) if hasattr(sub, "shard_of") else full
+        out[name] = sub.shard_of(full) if hasattr(sub, "shard_of") and full is not None else full
     return out
 
 
