@@ -498,14 +498,6 @@ def _run_cells(rank, world_size, cells):
 
 # Defects the matrix found (one line each); the cell turns red when the library is fixed.
 DEFECTS = {
-    ("3d", "frozen", 2): "Stage3D (ParallelBlock.from_dense) drops requires_grad=False: the "
-                         "frozen blocks.0.ln1 and attn.qkv train",
-    ("4d", "frozen", 2): "Stage4D (ParallelBlock.from_dense) drops requires_grad=False: the "
-                         "frozen blocks.0.ln1 and attn.qkv train",
-    ("3d", "tied", 3): "Stage3D deep-copies tok and head apart: a head tied to the embedding "
-                       "becomes two parameters, their gradients never summed",
-    ("4d", "tied", 3): "Stage4D deep-copies tok and head apart: a head tied to the embedding "
-                       "becomes two parameters, their gradients never summed",
 }
 
 

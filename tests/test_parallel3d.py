@@ -10,15 +10,27 @@ CFG = dict(vocab=32, d_model=16, n_heads=2, n_layers=4, seq_len=8)
 LR = 0.1
 
 
-def _train_and_compare(rank, world_size, dp, pp, tp, steps, batch, n_micro, cfg=CFG):
+def frozen_and_tied(gpt):
+    """blocks.0's ln1 and attn.qkv frozen, the head's weight tied to the token embedding."""
+    gpt.blocks[0].ln1.requires_grad_(False)
+    gpt.blocks[0].attn.qkv.requires_grad_(False)
+    gpt.head.weight = gpt.tok.weight
+    return gpt
+
+
+def _train_and_compare(rank, world_size, dp, pp, tp, steps, batch, n_micro, cfg=CFG,
+                       odd=False):
     """Train on the mesh and, in the same rank, the dense float64 model on the same batches.
+    odd: the model is frozen_and_tied (before, the stages trained the frozen parameters and
+    trained the head apart from the embedding).
 
     Returns per step (3D loss, reference loss) and the largest difference seen between any of
     this rank's gradients or updated parameters and its shard of the reference's.
     """
     mesh = p3.Mesh3D(dp, pp, tp)
-    ref = make_gpt(seed=0, **cfg).double()
-    stage = p3.Stage3D.from_dense(make_gpt(seed=0, **cfg).double(), mesh)
+    build = frozen_and_tied if odd else (lambda gpt: gpt)
+    ref = build(make_gpt(seed=0, **cfg).double())
+    stage = p3.Stage3D.from_dense(build(make_gpt(seed=0, **cfg).double()), mesh)
     x, y = token_data(n=4 * batch, seq_len=cfg["seq_len"], vocab=cfg["vocab"], seed=1)
     worst = {"grad": 0.0, "param": 0.0}
     losses = []
@@ -29,11 +41,14 @@ def _train_and_compare(rank, world_size, dp, pp, tp, steps, batch, n_micro, cfg=
         ref_loss.backward()
         with torch.no_grad():
             for p in ref.parameters():
-                p.add_(p.grad, alpha=-LR)
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-LR)
         for name, p in stage.named_parameters():
             full = ref.get_parameter(stage.dense_name(name))
-            worst["grad"] = max(worst["grad"],
-                                (p.grad - stage.shard_of(name, full.grad)).abs().max().item())
+            assert (p.grad is None) == (full.grad is None), f"{name}: a gradient in one only"
+            if p.grad is not None:
+                worst["grad"] = max(worst["grad"],
+                                    (p.grad - stage.shard_of(name, full.grad)).abs().max().item())
             worst["param"] = max(worst["param"],
                                  (p.detach() - stage.shard_of(name, full.detach())).abs().max().item())
         losses.append((loss, ref_loss.item()))
@@ -55,21 +70,21 @@ GQA = dict(CFG, n_heads=4, n_kv_heads=2)
     (3, 1, 2, 6, 1, GQA),
 ])
 def test_3d_with_grouped_query_attention_equals_single_process(dp, pp, tp, batch, n_micro, cfg):
-    test_3d_equals_single_process(dp, pp, tp, batch, n_micro, cfg)
+    test_3d_equals_single_process(dp, pp, tp, batch, n_micro, False, cfg)
 
 
-@pytest.mark.parametrize("dp, pp, tp, batch, n_micro", [
-    (2, 2, 2, 8, 2),     # the full 2x2x2 mesh: 8 ranks
-    (1, 3, 1, 6, 3),     # three pipeline stages (odd), micro-batches of 2
-    (3, 1, 1, 6, 1),     # three data-parallel replicas (odd)
-    (1, 2, 2, 4, 2),     # pipeline x tensor without data parallel
-    (1, 1, 1, 4, 2),     # one rank
-    (5, 1, 1, 15, 1),    # five replicas
-    (1, 3, 2, 6, 3),     # six ranks: 4 blocks over 3 stages (1, 2, 1)
+@pytest.mark.parametrize("dp, pp, tp, batch, n_micro, odd", [
+    (2, 2, 2, 8, 2, True),      # the full 2x2x2 mesh: 8 ranks; frozen and tied
+    (1, 3, 1, 6, 3, True),      # three pipeline stages (odd), micro-batches of 2; frozen and tied
+    (3, 1, 1, 6, 1, False),     # three data-parallel replicas (odd)
+    (1, 2, 2, 4, 2, False),     # pipeline x tensor without data parallel
+    (1, 1, 1, 4, 2, True),      # one rank: both copies of the tied weight on it
+    (5, 1, 1, 15, 1, False),    # five replicas
+    (1, 3, 2, 6, 3, False),     # six ranks: 4 blocks over 3 stages (1, 2, 1)
 ])
-def test_3d_equals_single_process(dp, pp, tp, batch, n_micro, cfg=CFG):
+def test_3d_equals_single_process(dp, pp, tp, batch, n_micro, odd, cfg=CFG):
     results = distlab.run(_train_and_compare, dp * pp * tp, dp, pp, tp, 3, batch, n_micro, cfg,
-                          timeout=120)
+                          odd, timeout=120)
     for rank, (losses, worst) in enumerate(results):
         for step, (got, expected) in enumerate(losses):
             assert got == pytest.approx(expected, abs=1e-12), f"rank {rank}, step {step}"
@@ -89,6 +104,23 @@ def test_a_tp_size_that_does_not_divide_the_model_is_a_clear_error():
     with pytest.raises(distlab.RankFailed, match=r"does not split evenly across 5 tensor-parallel "
                                                  r"ranks; choose a multiple of 5\."):
         distlab.run(_tp_that_does_not_divide, 5, timeout=120)
+
+
+def test_ties_the_stages_cannot_keep_are_refused_in_a_sentence():
+    """Checked before any collective, so without ranks."""
+    gpt = make_gpt(seed=0, **CFG)
+    gpt.blocks[1].ln1.weight = gpt.blocks[0].ln1.weight      # across blocks: two stages' blocks
+    with pytest.raises(ValueError, match=r"^blocks\.0\.ln1\.weight and blocks\.1\.ln1\.weight "
+                                         r"are tied: the stages keep a head tied to the token "
+                                         r"embedding, and ties inside one block, not this one; "
+                                         r"untie them \(give each its own nn\.Parameter\) "
+                                         r"first\.$"):
+        p3.Stage3D(gpt, 0, 2, None)
+    gpt = frozen_and_tied(make_gpt(seed=0, **CFG))          # a tied head: needs the group
+    with pytest.raises(ValueError, match=r"over 2 pipeline stages their gradients must be summed "
+                                         r"between the first and the last stage: build the "
+                                         r"stages with Stage3D\.from_dense\(gpt, mesh\)"):
+        p3.Stage3D(gpt, 1, 2, None)
 
 
 def test_a_batch_that_does_not_split_into_micro_batches_is_a_clear_error():

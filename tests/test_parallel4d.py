@@ -11,6 +11,7 @@ import torch
 import distlab
 from distlab import models
 from distlab.parallel4d import Mesh4D, Stage4D, train_step
+from test_parallel3d import frozen_and_tied
 
 CONFIG = dict(vocab=32, d_model=16, n_heads=4, n_layers=2, seq_len=12)
 GQA = dict(CONFIG, n_heads=8, n_kv_heads=2)
@@ -21,8 +22,13 @@ def _data(seq_len=12):
     return models.token_data(n=4, seq_len=seq_len, vocab=32, seed=1)
 
 
-def _dense(config=CONFIG, seq_len=12):
+def _gpt(config, odd):
     gpt = models.make_gpt(seed=0, **config).double()
+    return frozen_and_tied(gpt) if odd else gpt
+
+
+def _dense(config=CONFIG, seq_len=12, odd=False):
+    gpt = _gpt(config, odd)
     x, y = _data(seq_len)
     losses = []
     for _ in range(STEPS):
@@ -31,14 +37,15 @@ def _dense(config=CONFIG, seq_len=12):
         loss.backward()
         with torch.no_grad():
             for p in gpt.parameters():
-                p.add_(p.grad, alpha=-LR)
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-LR)
         losses.append(loss.item())
     return gpt, losses
 
 
-def _run_4d(rank, world_size, dp, pp, cp, tp, n_micro, config=CONFIG, seq_len=12):
+def _run_4d(rank, world_size, dp, pp, cp, tp, n_micro, config=CONFIG, seq_len=12, odd=False):
     mesh = Mesh4D(dp, pp, cp, tp)
-    stage = Stage4D.from_dense(models.make_gpt(seed=0, **config).double(), mesh)
+    stage = Stage4D.from_dense(_gpt(config, odd), mesh)
     x, y = _data(seq_len)
     losses = [train_step(stage, mesh, x, y, LR, n_micro) for _ in range(STEPS)]
     return losses, {stage.dense_name(n): p.detach() for n, p in stage.named_parameters()}
@@ -56,13 +63,15 @@ def _odd_lengths(rank, world_size):
     return at_cp1, refusal
 
 
-@pytest.mark.parametrize("dp,pp,cp,tp,n_micro,config", [
-    (2, 2, 2, 1, 2, CONFIG), (1, 2, 2, 2, 2, CONFIG), (1, 1, 3, 1, 1, CONFIG),
-    (1, 1, 2, 4, 1, GQA)])
-def test_dp_pp_cp_tp_equals_one_process(dp, pp, cp, tp, n_micro, config):
-    dense, dense_losses = _dense(config)
+# odd: blocks.0's ln1 and attn.qkv frozen and the head tied to the embedding (before, the
+# stages trained both apart): across two stages at 1x2x2x2, on one stage at 1x1x3x1
+@pytest.mark.parametrize("dp,pp,cp,tp,n_micro,config,odd", [
+    (2, 2, 2, 1, 2, CONFIG, False), (1, 2, 2, 2, 2, CONFIG, True), (1, 1, 3, 1, 1, CONFIG, True),
+    (1, 1, 2, 4, 1, GQA, False)])
+def test_dp_pp_cp_tp_equals_one_process(dp, pp, cp, tp, n_micro, config, odd):
+    dense, dense_losses = _dense(config, odd=odd)
     results = distlab.run(_run_4d, dp * pp * cp * tp, dp, pp, cp, tp, n_micro, config,
-                          timeout=120)
+                          odd=odd, timeout=120)
     _equal_dense(results, dense, dense_losses, tp, config)
 
 
@@ -77,7 +86,8 @@ def _equal_dense(results, dense, dense_losses, tp, config=CONFIG):
             expected = _shard(full, name, tp, rank % tp, config)
             torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
-    assert held == {n for n, _ in dense.named_parameters()}     # the stages hold every layer
+    # the stages hold every layer, a tied weight under both names
+    assert held == {n for n, _ in dense.named_parameters(remove_duplicate=False)}
     assert dense_losses[0] != pytest.approx(dense_losses[-1], abs=1e-3)   # training moved
 
 

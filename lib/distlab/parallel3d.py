@@ -17,6 +17,11 @@ Rank r sits at coordinate (d, p, t) of a row-major mesh, tp varying fastest:
 Each parallelism talks only inside its own groups, so the three do not interfere: a tp
 all-reduce involves the ranks of one stage of one replica, a pipeline send goes to the rank with
 the same (d, t) in the next stage, and the dp all-reduce joins ranks holding the same shard.
+
+A head tied to the token embedding (GPT-2) is held twice, by the first stage and by the last, as
+Megatron-LM does: the two copies start equal, their gradients are summed (an all-reduce between
+the first and the last stage at the same (d, t), or a plain sum when one stage holds both) and
+the same step keeps them equal.
 """
 import copy
 
@@ -26,7 +31,7 @@ import torch.nn as nn
 
 from .data_parallel import average_gradients, shard_batch
 from .devices import device
-from .mesh import HandMesh, coordinate
+from .mesh import HandMesh, coordinate, rank_at, wait_until_connected
 from .models import lm_loss
 from .tensor_parallel import ColumnParallelLinear, ParallelBlock, RowParallelLinear
 
@@ -69,12 +74,21 @@ class Stage3D(nn.Module):
 
     The first stage also holds the embeddings, the last the final LayerNorm and the head.
     Parameter names follow the dense model's, so `dense_name` maps one onto the other.
+    A head tied to the embedding needs `tie_group` (first_last_group) when there are several
+    stages; from_dense makes it.
     """
 
-    def __init__(self, gpt, stage, n_stages, tp_group):
+    def __init__(self, gpt, stage, n_stages, tp_group, tie_group=None):
         super().__init__()
         self.stage, self.n_stages = stage, n_stages
         self.first, self.last = stage == 0, stage == n_stages - 1
+        self.tied, self.tie_group = tied_embedding(gpt), tie_group
+        if self.tied and n_stages > 1 and tie_group is None:
+            raise ValueError(f"this TinyGPT's head is tied to its token embedding, and over "
+                             f"{n_stages} pipeline stages their gradients must be summed between "
+                             f"the first and the last stage: build the stages with "
+                             f"Stage3D.from_dense(gpt, mesh), which makes that group, or untie "
+                             f"the head.")
         self.start, end = stage_bounds(len(gpt.blocks), n_stages)[stage]
         if self.first:
             self.tok, self.pos = copy.deepcopy(gpt.tok), copy.deepcopy(gpt.pos)
@@ -86,7 +100,8 @@ class Stage3D(nn.Module):
     @classmethod
     def from_dense(cls, gpt, mesh, on=None):
         """This rank's part of the dense `gpt`, on device `on` (default: distlab.device())."""
-        return cls(gpt.to(on or device()), mesh.p, mesh.pp, mesh.get_group("tp"))
+        tie = first_last_group(mesh) if tied_embedding(gpt) and mesh.pp > 1 else None
+        return cls(gpt.to(on or device()), mesh.p, mesh.pp, mesh.get_group("tp"), tie)
 
     def forward(self, x):
         if self.first:
@@ -106,6 +121,57 @@ class Stage3D(nn.Module):
         """This rank's shard of the dense parameter (or gradient) `full` named `name` here."""
         owner = self.get_submodule(name.rpartition(".")[0])
         return owner.shard_of(full) if hasattr(owner, "shard_of") else full
+
+
+# ---- a head tied to the embedding -------------------------------------------------------------------
+
+def tied_embedding(gpt):
+    """True when `gpt.head.weight` is `gpt.tok.weight` (GPT-2's tie). Ties inside one block
+    are ParallelBlock.from_dense's to keep; any other tie is refused in a sentence."""
+    uses = {}
+    for name, p in gpt.named_parameters(remove_duplicate=False):
+        uses.setdefault(id(p), []).append(name)
+    tied = False
+    for names in (sorted(n) for n in uses.values() if len(n) > 1):
+        if names == ["head.weight", "tok.weight"]:
+            tied = True
+        elif not (names[0].startswith("blocks.") and
+                  len({n.split(".", 2)[1] for n in names}) == 1):
+            raise ValueError(f"{' and '.join(names)} are tied: the stages keep a head tied to "
+                             f"the token embedding, and ties inside one block, not this one; "
+                             f"untie them (give each its own nn.Parameter) first.")
+    return tied
+
+
+def first_last_group(mesh):
+    """Collective: this rank's group of the first and the last pipeline stage at its other
+    coordinates (Megatron-LM's embedding group); a middle stage's rank gets a non-member
+    placeholder. Every rank creates every group, as new_group requires."""
+    axis, me, mine = mesh.names.index("pp"), dist.get_rank(), None
+    for r in range(dist.get_world_size()):
+        c = coordinate(r, mesh.shape)
+        if c[axis] == 0:
+            last = rank_at(c[:axis] + (mesh.shape[axis] - 1,) + c[axis + 1:], mesh.shape)
+            group = dist.new_group([r, last])
+            if me in (r, last):
+                mine = group
+    wait_until_connected()
+    return mine if mine is not None else dist.GroupMember.NON_GROUP_MEMBER
+
+
+def sum_tied_gradients(stage):
+    """The tied weight's gradient is the sum of its two uses': add the embedding copy's and
+    the head copy's, on both copies, so the same step keeps them equal."""
+    if not stage.tied or not (stage.first or stage.last):
+        return
+    mine = stage.tok.weight if stage.first else stage.head.weight
+    if not mine.requires_grad:                    # frozen: no gradient on either copy
+        return
+    if stage.first and stage.last:
+        total = stage.tok.weight.grad + stage.head.weight.grad
+        stage.tok.weight.grad, stage.head.weight.grad = total, total.clone()
+    else:
+        dist.all_reduce(mine.grad, group=stage.tie_group)
 
 
 # ---- one training step -----------------------------------------------------------------------------
@@ -158,11 +224,13 @@ def train_step(stage, mesh, x, y, n_micro, lr):
     for work in pending:
         work.wait()
 
+    sum_tied_gradients(stage)
     average_gradients(stage, group=mesh.get_group("dp"))
     with torch.no_grad():
         # Plain SGD as torch.optim.SGD computes it (building one imports torch._dynamo: seconds).
         for p in stage.parameters():
-            p.add_(p.grad, alpha=-lr)
+            if p.grad is not None:                # a frozen parameter has none
+                p.add_(p.grad, alpha=-lr)
     if total.is_meta:
         # A full-size run on meta tensors (bench/planner.py, chapter 10): the loss's two
         # collectives are charged as in a real run, but there is no value to read.

@@ -35,7 +35,7 @@ from .data_parallel import shard_batch
 from .devices import device
 from .mesh import HandMesh, rank_at
 from .models import lm_loss
-from .parallel3d import Stage3D
+from .parallel3d import Stage3D, first_last_group, sum_tied_gradients, tied_embedding
 from .tensor_parallel import ParallelAttention
 
 NAMES = ("dp", "pp", "cp", "tp")
@@ -82,7 +82,8 @@ class Stage4D(Stage3D):
     follow the dense model's (`dense_name`), as in chapter 10."""
 
     def __init__(self, gpt, mesh):
-        super().__init__(gpt, mesh.p, mesh.pp, mesh.get_group("tp"))
+        tie = first_last_group(mesh) if tied_embedding(gpt) and mesh.pp > 1 else None
+        super().__init__(gpt, mesh.p, mesh.pp, mesh.get_group("tp"), tie)
         for block in self.blocks:
             block.attn.__class__ = ContextParallelAttention   # same parameters, ring attention
             block.attn.cp_group = mesh.get_group("cp")
@@ -153,12 +154,14 @@ def train_step(stage, mesh, x, y, lr, n_micro=1):
             pending.append(dist.isend(inp.grad.contiguous(), dst=mesh.pp_rank(stage.stage - 1)))
     for work in pending:
         work.wait()
+    sum_tied_gradients(stage)
     n = mesh.dp * mesh.cp
-    for p in stage.parameters():
+    trained = [p for p in stage.parameters() if p.requires_grad]   # frozen: no gradient
+    for p in trained:
         dist.all_reduce(p.grad, group=mesh.shard_group)
         p.grad.div_(n)
     with torch.no_grad():
-        for p in stage.parameters():
+        for p in trained:
             p.add_(p.grad, alpha=-lr)
     # the last stage's loss, shared with every stage, averaged over the dp × cp shares
     loss = total if stage.last else torch.zeros_like(total)
