@@ -61,7 +61,7 @@ def dense_mlp(d_model, ffn, dtype=torch.float64, seed=0):
 
 
 def inputs(d_model, tokens, dtype=torch.float64, seed=1, device="cpu"):
-    """One sequence of `tokens` tokens, the same in every process; on `device` "meta": shapes only."""
+    """One sequence of `tokens` tokens, the same in every process; on "meta", shapes only."""
     if device == "meta":
         return torch.empty(1, tokens, d_model, dtype=dtype, device="meta")
     return torch.randn(1, tokens, d_model, dtype=dtype,
