@@ -8,10 +8,14 @@ def _input_gradients(s):
     it: see stage._StageInput), and on the way the gradient at every layer output that feeds a
     weight (what W needs): autograd skips the weight-gradient products, which nothing asked for.
     retain_graph: W reuses the graph."""
-    want = ([s["anchor"]] if "anchor" in s else []) + [o for _, o in s["layers"]]
+    # the first stage has no anchor; its input needs a gradient when the batch does (as B's)
+    first = [s["inp"]] if "anchor" not in s and s["inp"].requires_grad else []
+    want = ([s["anchor"]] if "anchor" in s else first) + [o for _, o in s["layers"]]
     got = torch.autograd.grad(_vjp_root(s["out"], s["grad"]), want, retain_graph=True,
                               allow_unused=True) if want else []
-    s["layer_grads"] = list(got[1:] if "anchor" in s else got)
+    if first:
+        s["in_grad"] = got[0]
+    s["layer_grads"] = list(got[1:] if "anchor" in s or first else got)
 
 
 class _weight_inputs:
