@@ -416,6 +416,18 @@ def test_dtensor_parallelize_module_matches_ours_also_with_grouped_query_heads()
                                   "which would split the block's 1 K/V heads;"), refusal
 
 
+def test_dtensor_twin_keeps_a_frozen_qkv_frozen():
+    """SeparateQKVAttention makes q, k, v as fresh Linears; before, they forgot that the fused
+    qkv was frozen and would train (no process group needed)."""
+    from distlab.tp_dtensor import SeparateQKVAttention
+    attn = Attention(8, 4).to(F64)
+    attn.qkv.requires_grad_(False)
+    twin = SeparateQKVAttention(attn)
+    frozen = {n: p.requires_grad for n, p in twin.named_parameters()}
+    assert frozen == {f"{z}.{k}": z == "proj" for z in ("q", "k", "v", "proj")
+                      for k in ("weight", "bias")}, frozen
+
+
 def _llama_block_case(rank, ws):
     from distlab import zero_memory
     torch.manual_seed(0)

@@ -34,6 +34,9 @@ class SeparateQKVAttention(nn.Module):
                                  attn.qkv.bias.split((d, kv, kv))):
                 lin.weight.copy_(w)
                 lin.bias.copy_(b)
+        for lin in (self.q, self.k, self.v):        # fresh Parameters: a frozen qkv stays so
+            lin.weight.requires_grad_(attn.qkv.weight.requires_grad)
+            lin.bias.requires_grad_(attn.qkv.bias.requires_grad)
         self.proj = copy.deepcopy(attn.proj)
 
     def forward(self, x):
@@ -91,5 +94,5 @@ def local_grads(module):
         out[name] = g
     for kind in ("weight", "bias"):
         parts = [out.pop(f"attn.{z}.{kind}") for z in "qkv"]
-        out[f"attn.qkv.{kind}"] = torch.cat(parts, dim=0)
+        out[f"attn.qkv.{kind}"] = None if parts[0] is None else torch.cat(parts, dim=0)
     return out
