@@ -30,17 +30,17 @@ def holders(parts, p, placement):
 
 
 def _exchange(stage, outgoing, incoming_sizes):
-    """Send outgoing[peer] to every peer and receive a tensor of incoming_sizes[peer] from each
-    (non-blocking sends first: every holder sends before it waits, so none waits on another)."""
+    """Send outgoing[peer] to every peer and receive a tensor of incoming_sizes[peer] from each,
+    as one batch (NCCL would deadlock two ranks that each send before they receive; gloo does
+    not mind)."""
     where = dict(dtype=stage.dtype, device=device())
-    sends = [dist.isend(t, dst=_global(stage, peer), group=stage.group, tag=SHARED)
-             for peer, t in sorted(outgoing.items())]
-    got = {}
-    for peer, n in sorted(incoming_sizes.items()):
-        got[peer] = torch.empty(n, **where)
-        dist.recv(got[peer], src=_global(stage, peer), group=stage.group, tag=SHARED)
-    for s in sends:
-        s.wait()
+    got = {peer: torch.empty(n, **where) for peer, n in sorted(incoming_sizes.items())}
+    ops = [dist.P2POp(dist.isend, t, _global(stage, peer), stage.group, SHARED)
+           for peer, t in sorted(outgoing.items())]
+    ops += [dist.P2POp(dist.irecv, t, _global(stage, peer), stage.group, SHARED)
+            for peer, t in got.items()]
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
     return got
 
 
