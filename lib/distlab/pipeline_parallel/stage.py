@@ -65,7 +65,9 @@ class PipelineStage:
     placement="v" (two chunks: ZB-V, DualPipeV) virtual stages rank and 2 * world_size - 1 - rank;
     with placement="dual" (DualPipe: `parts` is the whole model in world_size pieces, each held
     twice) pieces rank and world_size - 1 - rank, for the micro-batches entering at stage 0 and
-    at stage world_size - 1. `step` leaves each copy's own gradient in .grad (`train` sums the two)."""
+    at stage world_size - 1. `step` leaves each copy's own gradient in .grad (`train` sums the two).
+    A parameter in two pieces on two stages (tied, or a layer used twice) is held the same way: a
+    copy on each, given the lowest holder's values here, summed by `train` (shared.sum_copies)."""
 
     def __init__(self, parts, rank, world_size, in_shape, dtype=torch.float32, group=None,
                  placement="loop"):
