@@ -48,6 +48,8 @@ import torch.nn as nn
 
 from .moe import (MoE, Routing, capacity_keep, expert_capacity, expert_choice_route,
                   load_balancing_loss, route, update_selection_bias, z_loss)
+from ._moe_checks import (_check_combine, _check_ep_model, _check_mesh_sizes, _check_moe,
+                          _check_plan, _check_splits, _check_tokens, _check_volume)
 
 
 class AllToAll(torch.autograd.Function):
@@ -70,7 +72,8 @@ class AllToAll(torch.autograd.Function):
 
 def all_to_all(rows, out_splits, in_splits, group):
     """Send in_splits[j] rows to rank j, receive out_splits[j] rows from rank j (differentiable)."""
-    return AllToAll.apply(rows, list(out_splits), list(in_splits), group)
+    out_splits, in_splits = _check_splits(rows, out_splits, in_splits, dist.get_world_size(group))
+    return AllToAll.apply(rows, out_splits, in_splits, group)
 
 
 # ---- the two pieces the workbook asks for -------------------------------------------------------
@@ -82,6 +85,7 @@ def dispatch_plan(experts, keep, n_experts, ep_size):
     kept ones, sorted by expert (stable, so ties keep token order). send_splits[j] is the number
     of rows for rank j, which holds experts [j·E/N, (j+1)·E/N).
     """
+    _check_plan(experts, keep, n_experts, ep_size)
     flat = experts.reshape(-1)
     kept = keep.reshape(-1).nonzero().squeeze(1)
     order = kept[torch.argsort(flat[kept], stable=True)]
@@ -91,6 +95,7 @@ def dispatch_plan(experts, keep, n_experts, ep_size):
 
 def combine(expert_out, token, gate, n_tokens):
     """The inverse permutation: row i of expert_out, scaled by gate[i], is added to token[i]."""
+    _check_combine(expert_out, token, gate, n_tokens)
     out = expert_out.new_zeros((n_tokens,) + expert_out.shape[1:])
     return out.index_add(0, token, gate.unsqueeze(-1) * expert_out)
 
@@ -115,6 +120,7 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, moe: MoE, group=None, plan=dispatch_plan, combine=combine,
                  global_capacity=False, balance_group=None):
         super().__init__()
+        _check_moe(moe)
         self.group, self.balance_group = group, balance_group
         self.ep_size, self.ep_rank = dist.get_world_size(group), dist.get_rank(group)
         self.n_experts = moe.n_experts
@@ -155,7 +161,7 @@ class ExpertParallelMoE(nn.Module):
         return list(self.experts.parameters())
 
     def forward(self, x):
-        tokens = x.reshape(-1, x.shape[-1])
+        tokens = _check_tokens(x, self.router.in_features).reshape(-1, x.shape[-1])
         if self.global_capacity:
             routing = self._route_with_group_capacity(tokens)
         else:
@@ -251,6 +257,7 @@ def ep_dp_mesh(dp, ep):
     (the all-to-alls stay inside a node) and a DP group strides across them."""
     from torch.distributed.device_mesh import init_device_mesh
     from .devices import device
+    _check_mesh_sizes(dp, ep)
     if dp * ep != dist.get_world_size():
         raise ValueError(f"a ({dp}, {ep}) mesh needs {dp * ep} ranks; this run has "
                          f"{dist.get_world_size()}.")
@@ -279,6 +286,7 @@ def reduce_gradients(model, dp_group, world_group=None):
     The loss is the mean over all ranks of each rank's loss. Experts: their gradient already sums
     their EP group's tokens, so sum over DP. Everything else is replicated: sum over all ranks.
     """
+    _check_ep_model(model)
     world = dist.get_world_size(world_group)
     experts = {id(p) for p in model.moe.expert_parameters()}
     for p in model.parameters():
@@ -297,6 +305,7 @@ def all_to_all_volume(tokens, top_k, d_model, ep_size, bytes_per_element=4):
     cross no wire: tokens · k · (N-1)/N · d_model · bytes. A layer does two of them forward
     (dispatch, combine) and two more backward.
     """
+    _check_volume(tokens, top_k, d_model, ep_size, bytes_per_element)
     return tokens * top_k * (ep_size - 1) / ep_size * d_model * bytes_per_element
 
 

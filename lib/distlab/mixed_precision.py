@@ -17,6 +17,8 @@ import copy
 
 import torch
 
+from . import _argcheck as check
+
 
 def reference_step(master, optimizer, x, y, loss_fn, world_size, compute_dtype,
                    reduce_dtype=None):
@@ -27,6 +29,7 @@ def reference_step(master, optimizer, x, y, loss_fn, world_size, compute_dtype,
     reduce_dtype (default compute_dtype), summed over the ranks in rank order, divided by
     world_size in reduce_dtype, and cast to float32 for the step. Returns the ranks' losses.
     """
+    _check_step(x, y, world_size, compute_dtype, reduce_dtype)
     reduce_dtype = reduce_dtype or compute_dtype
     total, losses = None, []
     for xr, yr in zip(x.chunk(world_size), y.chunk(world_size)):
@@ -41,6 +44,22 @@ def reference_step(master, optimizer, x, y, loss_fn, world_size, compute_dtype,
     optimizer.step()
     optimizer.zero_grad()
     return losses
+
+
+def _check_step(x, y, world_size, compute_dtype, reduce_dtype):
+    # chunk() makes fewer or unequal parts than ranks without a word, and the gradient would
+    # still be divided by world_size: every rank must get an equal, non-empty part
+    world_size = check.whole(world_size, "world_size", at_least=1)
+    check.floating_dtype(compute_dtype, "compute_dtype")
+    if reduce_dtype is not None:
+        check.floating_dtype(reduce_dtype, "reduce_dtype")
+    if len(x) != len(y):
+        raise ValueError(f"x and y must hold the same number of samples; got {len(x)} and "
+                         f"{len(y)}.")
+    if len(x) < world_size or len(x) % world_size:
+        raise ValueError(f"a batch of {len(x)} samples does not split into equal parts for "
+                         f"{world_size} ranks: pass a batch whose size is a multiple of "
+                         f"world_size.")
 
 
 def loss_scaled_step(model, optimizer, scaler, x, y, loss_fn):

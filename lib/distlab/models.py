@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import _argcheck as check
+
 
 def _seeded(seed, build):
     # fork_rng: building a model must not move the caller's global random state.
@@ -25,6 +27,7 @@ class MLP(nn.Module):
 
     def __init__(self, sizes=(16, 64, 64, 4)):
         super().__init__()
+        sizes = _check_sizes(sizes)
         layers = []
         for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
             layers.append(nn.Linear(a, b))
@@ -42,11 +45,43 @@ def make_mlp(sizes=(16, 64, 64, 4), seed=0):
 
 def regression_data(n=256, in_dim=16, out_dim=4, seed=0):
     """(x, y) with y a fixed random nonlinear function of x, plus noise."""
+    n, in_dim, out_dim = (check.whole(v, name, at_least=1) for v, name in
+                          ((n, "n"), (in_dim, "in_dim"), (out_dim, "out_dim")))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, in_dim, generator=g)
     w = torch.randn(in_dim, out_dim, generator=g) / math.sqrt(in_dim)
     y = torch.tanh(x @ w) + 0.05 * torch.randn(n, out_dim, generator=g)
     return x, y
+
+
+def _check_sizes(sizes):
+    """The layer widths as ints; one size alone would build an MLP with no layer at all."""
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__"):
+        raise TypeError(f"sizes are the layer widths in order, like (16, 64, 64, 4); got "
+                        f"{sizes!r}.")
+    if len(sizes) < 2:
+        raise ValueError(f"sizes needs at least two widths (input and output), like "
+                         f"(16, 64, 64, 4); got {tuple(sizes)}.")
+    try:
+        return tuple(check.whole(s, "every width", at_least=1) for s in sizes)
+    except TypeError:
+        raise TypeError(f"sizes must be whole numbers, like (16, 64, 64, 4); got "
+                        f"{tuple(sizes)}.") from None
+    except ValueError:
+        raise ValueError(f"every width in sizes must be at least 1; got {tuple(sizes)}.") from None
+
+
+def _check_tokens(idx, vocab):
+    if not isinstance(idx, torch.Tensor) or idx.is_floating_point() or idx.dtype == torch.bool:
+        raise TypeError(f"TinyGPT takes token ids as an integer tensor (batch, tokens); got "
+                        f"{getattr(idx, 'dtype', type(idx).__name__)}.")
+    if idx.dim() != 2:
+        raise ValueError(f"TinyGPT takes token ids of shape (batch, tokens); got shape "
+                         f"{tuple(idx.shape)} (add a batch axis with idx[None]).")
+    if idx.numel() and idx.device.type != "meta" \
+            and not 0 <= int(idx.min()) <= int(idx.max()) < vocab:
+        raise ValueError(f"every token id must be from 0 to {vocab - 1} (vocab = {vocab}); got "
+                         f"{int(idx.min())} .. {int(idx.max())}.")
 
 
 # ---- a tiny GPT ---------------------------------------------------------------------------------
@@ -128,6 +163,10 @@ class TinyGPT(nn.Module):
     def __init__(self, vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16, hidden=None,
                  n_kv_heads=None):
         super().__init__()
+        for name, value in (("vocab", vocab), ("d_model", d_model), ("n_heads", n_heads),
+                            ("seq_len", seq_len), ("hidden", hidden or 1)):
+            check.whole(value, name, at_least=1)
+        check.whole(n_layers, "n_layers", at_least=0)
         self.seq_len = seq_len
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
@@ -137,6 +176,7 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(d_model, vocab)
 
     def forward(self, idx):
+        _check_tokens(idx, self.tok.num_embeddings)
         t = idx.shape[1]
         if t > self.seq_len:
             raise ValueError(f"sequence of length {t} is longer than seq_len={self.seq_len}.")
@@ -152,6 +192,8 @@ def make_gpt(seed=0, **config):
 
 def token_data(n=64, seq_len=16, vocab=64, seed=0):
     """(inputs, targets): sequences that follow a fixed random rule, so there is something to learn."""
+    n, seq_len = check.whole(n, "n", at_least=1), check.whole(seq_len, "seq_len", at_least=1)
+    vocab = check.whole(vocab, "vocab", at_least=2)     # the rule steps by 1 .. vocab - 1
     g = torch.Generator().manual_seed(seed)
     step = torch.randint(1, vocab, (n, 1), generator=g)
     start = torch.randint(0, vocab, (n, 1), generator=g)
@@ -160,6 +202,9 @@ def token_data(n=64, seq_len=16, vocab=64, seed=0):
 
 
 def lm_loss(logits, targets):
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"targets must hold one token per position of the logits "
+                         f"{tuple(logits.shape[:-1])}; got shape {tuple(targets.shape)}.")
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -179,6 +224,7 @@ def train_reference(model, batches, loss_fn=F.mse_loss, optimizer="sgd", lr=0.05
     Returns the loss of every step; the model is trained in place. This is the ground truth
     every distributed strategy of the course is compared with.
     """
+    check.positive(lr, "lr", example=0.05)    # a negative rate would climb the loss
     opt = make_optimizer(model.parameters(), optimizer, lr)
     losses = []
     for x, y in batches:
@@ -192,6 +238,13 @@ def train_reference(model, batches, loss_fn=F.mse_loss, optimizer="sgd", lr=0.05
 
 def batches_of(x, y, batch_size, steps):
     """`steps` consecutive global batches of `batch_size` samples (wrapping around the data)."""
+    batch_size = check.whole(batch_size, "batch_size", at_least=1)
+    steps = check.whole(steps, "steps", at_least=0)
+    if len(x) != len(y):
+        raise ValueError(f"x and y must hold the same number of samples; got {len(x)} and "
+                         f"{len(y)}.")
+    if not len(x):
+        raise ValueError("batches_of got no sample (x is empty): there is nothing to batch.")
     out = []
     for s in range(steps):
         idx = torch.arange(s * batch_size, (s + 1) * batch_size) % len(x)

@@ -42,6 +42,9 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn as nn
 
+from . import _argcheck as check
+from ._moe_checks import (_check_bias_update, _check_experts, _check_layer, _check_route,
+                          _check_tokens, _check_wanted)
 from .models import FeedForward
 
 
@@ -79,6 +82,7 @@ def expert_capacity(n_tokens, n_experts, top_k, capacity_factor):
 
 def capacity_keep(experts, n_experts, capacity):
     """(T, k) mask of the assignments that fit: first choices before second ones, earlier tokens first."""
+    _check_experts(experts, n_experts)
     if capacity is None:
         return torch.ones_like(experts, dtype=torch.bool)
     by_priority = experts.t().reshape(-1)                       # slot-major: all 1st choices first
@@ -92,6 +96,7 @@ def route(logits, top_k=1, capacity_factor=None, selection_bias=None):
 
     selection_bias (E,): added to the probabilities for CHOOSING the experts only (DeepSeek-V3's
     aux-loss-free balancing); the gates are the router's own probabilities."""
+    _check_route(logits, top_k, capacity_factor, selection_bias)
     n_experts = logits.shape[-1]
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k must be between 1 and the number of experts ({n_experts}); "
@@ -136,6 +141,7 @@ def load_balancing_loss(routing, wanted=None, share=1.0):
     adds 0: it has nothing to balance, and its mean probability would be 0/0."""
     if not len(routing.probs):
         return routing.probs.sum()                 # 0, and a zero gradient for the router
+    _check_wanted(wanted, routing.n_experts)
     wanted = routing.wanted() if wanted is None else wanted
     f = wanted.to(routing.probs.dtype) / wanted.sum()
     p = routing.probs.mean(dim=0) * share
@@ -146,7 +152,7 @@ def z_loss(logits, share=1.0):
     """ST-MoE's router z-loss (Zoph et al. 2022, eq. 5): mean over tokens of logsumexp(logits)².
     It is zero-gradient in the probabilities and only shrinks the logits' scale. `share` as in
     load_balancing_loss (this batch's part of a larger batch's mean); no token adds 0."""
-    squares = logits.logsumexp(dim=-1).square()
+    squares = check.floating(logits, "logits").logsumexp(dim=-1).square()
     return squares.mean() * share if len(squares) else squares.sum()
 
 
@@ -154,6 +160,7 @@ def update_selection_bias(bias, load, rate):
     """DeepSeek-V3's aux-loss-free update (§2.1.2): after a step, each expert's selection bias
     moves by `rate` towards balance: up when the expert got fewer than the mean, down when more.
     `load` is the step's load of every expert, counted over the whole batch (all ranks)."""
+    _check_bias_update(bias, load, rate)
     load = load.to(bias.dtype)
     bias.add_(rate * torch.sign(load.mean() - load))
     return bias
@@ -162,7 +169,10 @@ def update_selection_bias(bias, load, rate):
 def max_violation(load):
     """MaxVio (Wang et al. 2024): how far the busiest expert is above the mean, as a fraction:
     max(load) / mean(load) − 1. 0 is perfect balance; E − 1 is every token on one expert."""
-    load = load.to(torch.float64)
+    load = check.tensor(load, "load").to(torch.float64)
+    if not len(load) or load.sum() <= 0:
+        raise ValueError("max_violation needs the load of at least one expert and at least one "
+                         f"assignment; got no load ({load.tolist()}).")
     return float(load.max() / load.mean() - 1)
 
 
@@ -174,6 +184,7 @@ class MoE(nn.Module):
         super().__init__()
         if router not in ("token_choice", "expert_choice"):
             raise ValueError(f"router must be 'token_choice' or 'expert_choice'; got {router!r}.")
+        _check_layer(d_model, hidden, n_experts, top_k, capacity_factor, n_shared)
         self.top_k, self.capacity_factor, self.router_kind = top_k, capacity_factor, router
         # A bias lets a router start skewed (the load-imbalance experiments set it); it is
         # zero-initialised so that a fresh router is fair.
@@ -192,6 +203,7 @@ class MoE(nn.Module):
         return len(self.experts)
 
     def route(self, tokens):
+        _check_tokens(tokens, self.router.in_features)
         logits = self.router(tokens)
         if self.router_kind == "expert_choice":
             routing = expert_choice_route(logits, self.capacity_factor or 1.0)
@@ -204,7 +216,7 @@ class MoE(nn.Module):
         return routing
 
     def forward(self, x):
-        tokens = x.reshape(-1, x.shape[-1])
+        tokens = _check_tokens(x, self.router.in_features).reshape(-1, x.shape[-1])
         routing = self.route(tokens)
         out = torch.zeros_like(tokens)
         for e, expert in enumerate(self.experts):
@@ -223,6 +235,7 @@ def fine_grained(d_model, hidden, n_experts, top_k, m, n_shared=0):
     layer while a token picks among C(mE, mk) expert combinations instead of C(E, k). n_shared
     of the m·k active experts become shared ones (always on, also of width h/m), the rest stay
     routed: the FLOPs per token are unchanged."""
+    m = check.whole(m, "m (experts per coarse expert)", at_least=1, example=4)
     if hidden % m:
         raise ValueError(f"the expert width {hidden} must split into m = {m} equal parts.")
     if not 0 <= n_shared < m * top_k:

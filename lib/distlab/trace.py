@@ -42,9 +42,15 @@ from collections import defaultdict
 
 import torch
 
+from . import _argcheck as check
 from . import _tracer
 from ._tracer import MetaValueError  # noqa: F401  (public: distlab.trace.MetaValueError)
 from .emulate import describe
+
+
+# the ops a communication event can name (a profiler trace may add others, which it then holds)
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+       "gather", "scatter", "barrier", "send", "recv")
 
 
 # ---- inside a rank ------------------------------------------------------------------------------
@@ -58,6 +64,9 @@ def now():
 @contextlib.contextmanager
 def span(name):
     """Name the compute inside this block in the trace (under emulation its ops are timed)."""
+    if not isinstance(name, str):
+        raise TypeError(f"distlab.trace.span(name) names the span with a string, like "
+                        f"'forward'; got {name!r}.")
     rec = _tracer._active
     if rec is None:
         yield
@@ -130,17 +139,19 @@ class Trace:
     # -- selecting -----------------------------------------------------------------------------
     def comm(self, rank=None, op=None):
         """Communication events (of one rank, of one op), in the order they were issued."""
-        ranks = range(self.world_size) if rank is None else [rank]
+        ranks = range(self.world_size) if rank is None else [self._rank(rank)]
+        self._check_op(op)
         return [dict(e, rank=r) for r in ranks for e in self._ranks[r]["events"]
                 if op is None or e["op"] == op]
 
     def compute(self, rank=None):
-        ranks = range(self.world_size) if rank is None else [rank]
+        ranks = range(self.world_size) if rank is None else [self._rank(rank)]
         return [dict(s, rank=r) for r in ranks for s in self._ranks[r]["spans"]]
 
     def sends(self, rank):
         """[(peer, bytes), ...]: the point-to-point messages `rank` sent, in order."""
-        return [(e["peer"], e["bytes"]) for e in self._ranks[rank]["events"] if e["op"] == "send"]
+        return [(e["peer"], e["bytes"]) for e in self._ranks[self._rank(rank)]["events"]
+                if e["op"] == "send"]
 
     def ops(self, rank=None):
         """The names of the ops a rank issued, in order (e.g. ['all_reduce', 'all_reduce'])."""
@@ -158,11 +169,12 @@ class Trace:
     def end(self, rank=None):
         """When the rank (or the slowest rank) finished its function."""
         if rank is not None:
-            return self._ranks[rank]["end"]
+            return self._ranks[self._rank(rank)]["end"]
         return max(r["end"] for r in self._ranks)
 
     def totals(self, rank):
         """Seconds of compute, of communication in flight, and of waiting; messages and bytes."""
+        rank = self._rank(rank)
         events = self._ranks[rank]["events"]
         return dict(
             compute=sum(s["end"] - s["start"] for s in self._ranks[rank]["spans"]),
@@ -202,7 +214,7 @@ class Trace:
         flight), `overlapped` (of those, while compute ran), `exposed` (comm - overlapped),
         `ratio` (overlapped / comm; None without comm), and `idle` (neither compute, nor
         communication, nor a copy, between the first and the last of them)."""
-        r = self._ranks[rank]
+        r = self._ranks[self._rank(rank)]
         comm = [(e["start"], e["end"]) for e in r["events"]
                 if e["start"] is not None and e["end"] is not None]
         compute = [(s["start"], s["end"]) for s in r["spans"]]
@@ -212,6 +224,18 @@ class Trace:
         return dict(comm=in_flight, overlapped=hidden, exposed=in_flight - hidden,
                     ratio=hidden / in_flight if in_flight > 0 else None,
                     idle=window - _union(busy))
+
+    def _rank(self, rank):
+        # a negative rank would silently read the ranks from the end, as a list index does
+        return check.rank_in(rank, self.world_size)
+
+    def _check_op(self, op):
+        # a misspelt op ("allreduce") would select nothing without a word
+        if op is None or any(e["op"] == op for r in self._ranks for e in r["events"]):
+            return
+        if op not in OPS:
+            raise ValueError(f"op {op!r} is not an op the trace records; it records "
+                             f"{', '.join(OPS)}.")
 
     def to_chrome(self, path):
         """Write the run in the Chrome trace event format, for https://ui.perfetto.dev or

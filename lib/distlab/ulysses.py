@@ -23,11 +23,15 @@ compares it with the bytes a traced run sent).
 import torch
 import torch.distributed as dist
 
-from .context_parallel import _LocalAttention, _all_positions, _positions_for
+from . import _argcheck as check
+from .context_parallel import _LocalAttention, _all_positions, _check_block, _positions_for
 
 
 def check_heads(heads, kv_heads, cp):
     """Refuse a head count that the cp ranks cannot split, in a sentence naming the limit."""
+    cp = check.whole(cp, "cp (the context-parallel size)", at_least=1)
+    heads = check.whole(heads, "heads", at_least=1)
+    kv_heads = check.whole(kv_heads, "kv_heads (key/value heads)", at_least=1)
     for name, n in (("query heads", heads), ("key/value heads", kv_heads)):
         if n % cp:
             limit = max(d for d in range(1, n + 1) if n % d == 0 and d <= cp)
@@ -106,6 +110,7 @@ def ulysses_attention(q, k, v, positions, causal=False, group=None):
         raise ValueError(f"q must be (batch, heads, tokens, head_dim) and k, v (batch, kv_heads, "
                          f"tokens, head_dim) with kv_heads dividing heads; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}.")
+    _check_block(q, k, v, positions)
     check_heads(q.shape[1], k.shape[1], n)
     every = _all_positions(_positions_for(q, positions), group)
     lengths = [len(p) for p in every]
@@ -131,6 +136,7 @@ def communication_per_layer(method, seq_len, cp, heads, kv_heads=None, head_dim=
     - "all-gather": forward all-gather of K and V (each rank's block reaches N−1 others; a ring
       all-gather sends N−1 blocks per rank); backward reduce-scatter of dK and dV (the same).
     """
+    _check_layer(seq_len, cp, heads, kv_heads, head_dim, itemsize, batch)
     kv = kv_heads or heads
     n = cp
 
@@ -144,3 +150,19 @@ def communication_per_layer(method, seq_len, cp, heads, kv_heads=None, head_dim=
     if method == "all-gather":
         return (n - 1) * 2 * block(kv), (n - 1) * 2 * block(kv)
     raise ValueError(f"unknown method {method!r}: 'ulysses', 'ring' or 'all-gather'.")
+
+
+def _check_layer(seq_len, cp, heads, kv_heads, head_dim, itemsize, batch):
+    # the closed form floors seq_len / cp: a length the ranks cannot split would be priced wrong
+    cp = check.whole(cp, "cp (the context-parallel size)", at_least=1)
+    seq_len = check.whole(seq_len, "seq_len", at_least=1)
+    for name, n in (("head_dim", head_dim), ("batch", batch), ("itemsize", itemsize)):
+        check.whole(n, name, at_least=1)
+    if seq_len % cp:
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into equal blocks over "
+                         f"cp = {cp} ranks: pad it to a multiple of {cp} or choose another cp.")
+    # heads that cp does not divide are priced all the same (check_heads says Ulysses refuses
+    # them; the chapter prices the bytes beside the refusal)
+    if kv_heads is not None and check.whole(heads, "heads", at_least=1) % check.whole(
+            kv_heads, "kv_heads", at_least=1):
+        raise ValueError(f"kv_heads = {kv_heads} must divide heads = {heads}.")

@@ -36,7 +36,7 @@ def all_gather_attention(q, k, v, positions, causal=False, group=None, documents
     sees only the keys of its own document (block-diagonal causal with `causal`). Gathered like
     the positions; the mask is explicit (a GPU kernel takes the boundaries instead, as
     FlashAttention's variable-length kernels take cu_seqlens)."""
-    _check_block(q, k, v, positions)
+    _check_block(q, k, v, positions, documents)
     positions = _positions_for(q, positions)
     every = _all_positions(positions, group)
     lengths = [len(p) for p in every]

@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from .. import _argcheck as check
 from .plan import DIAGONAL, FULL, PARTIAL, block_plan
 
 
@@ -68,6 +69,7 @@ def block_attention(q, k, v, q_pos, k_pos, causal, scale):
     key masked give output 0 and log-sum-exp −inf, which merge() treats as 'nothing here'.
     Under a causal mask the block is cut by positions (`block_plan`): key runs entirely after
     a query run are skipped, a run against itself costs half (a causal flash kernel)."""
+    _check_pair(q, k, v, q_pos, k_pos)
     plan = block_plan(q_pos, k_pos, causal)
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=_lse_dtype(q), device=q.device)
@@ -83,6 +85,7 @@ def block_attention(q, k, v, q_pos, k_pos, causal, scale):
 def merge(out_a, lse_a, out_b, lse_b):
     """Combine two partial attentions of the same queries over disjoint keys (online softmax):
     each is weighted by its share exp(lse_x − lse) of the total softmax mass."""
+    _check_merge(out_a, lse_a, out_b, lse_b)
     lse = torch.logaddexp(lse_a, lse_b)
     safe = torch.where(torch.isinf(lse), 0.0, lse)
     wa = torch.exp(lse_a - safe).unsqueeze(-1)
@@ -134,12 +137,20 @@ def _lse_dtype(q):
 
 def dense_attention(q, k, v, causal=False):
     """The single-process reference over the whole sequence."""
+    check.floating(q, "q")
+    if not q.shape == k.shape == v.shape or q.dim() < 2:
+        raise ValueError(f"dense_attention takes q, k and v of one shape (batch, heads, tokens, "
+                         f"head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
     pos = torch.arange(q.shape[-2], dtype=torch.float64)
     s = _scores(q, k, pos, pos, causal, 1.0 / math.sqrt(q.shape[-1]))
     return torch.softmax(s, dim=-1) @ v
 
 
-def _check_block(q, k, v, positions):
+def _check_block(q, k, v, positions, documents=None):
+    check.floating(q, "q")
+    check.integers(positions, "positions")
+    if documents is not None:
+        check.integers(documents, "documents (one document id per token)")
     if (q.dim() != 4 or k.shape != v.shape or k.dim() != 4
             or (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3])
             or k.shape[1] == 0 or q.shape[1] % k.shape[1]):
@@ -150,3 +161,27 @@ def _check_block(q, k, v, positions):
     if positions.shape != (q.shape[-2],):
         raise ValueError(f"positions must give one global index per token of the block "
                          f"({q.shape[-2]}); got shape {tuple(positions.shape)}.")
+
+
+def _check_pair(q, k, v, q_pos, k_pos):
+    """A block of queries against a block of keys: each side's tokens may differ in number."""
+    check.floating(q, "q")
+    if (q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0]
+            or k.shape[-1] != q.shape[-1] or k.shape[1] == 0 or q.shape[1] % k.shape[1]):
+        raise ValueError(f"q, k and v must be (batch, heads, tokens, head_dim) blocks with one "
+                         f"batch and head_dim, k and v of one shape with heads that divide q's; "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
+    for name, pos, x in (("q_pos", q_pos, q), ("k_pos", k_pos, k)):
+        if check.integers(pos, name).shape != (x.shape[-2],):
+            raise ValueError(f"{name} must give one global index per token of its block "
+                             f"({x.shape[-2]}); got shape {tuple(pos.shape)}.")
+
+
+def _check_merge(out_a, lse_a, out_b, lse_b):
+    # broadcasting would merge mismatched partials without a word
+    if out_a.shape != out_b.shape or not lse_a.shape == lse_b.shape == out_a.shape[:-1]:
+        raise ValueError(f"merge takes two partial attentions of the same queries: outputs of "
+                         f"one shape, each lse the output's shape without head_dim "
+                         f"{tuple(out_a.shape[:-1])}; got outputs {tuple(out_a.shape)}, "
+                         f"{tuple(out_b.shape)} and lse {tuple(lse_a.shape)}, "
+                         f"{tuple(lse_b.shape)}.")

@@ -2,6 +2,8 @@
 above which the hop hides behind the kernel."""
 import torch
 
+from .. import _argcheck as check
+
 
 #
 # The emulator charges ring attention op by op (the flash kernels' FLOPs at the device's achieved
@@ -30,6 +32,7 @@ def overlap_condition(peak_flops, bandwidth, heads=32, kv_heads=None, itemsize=2
     """The block length (tokens per rank) above which a ring step's kernel outlasts its hop, from
     peaks alone: 4·f·c²·H·d / P ≥ 2·c·KV·d·item / B  ⇔  c ≥ (P / B)·(KV / H)·(item / 2) / f, with
     f = 1 (f = ½ causal zig-zag). For 16-bit multi-head attention without a mask: c ≥ P / B."""
+    _check_rates(peak_flops, bandwidth, heads, kv_heads, itemsize)
     kv = kv_heads or heads
     return peak_flops / bandwidth * (kv / heads) * (itemsize / 2) / (0.5 if causal else 1.0)
 
@@ -50,3 +53,13 @@ def overlap_block_length(device, link, heads=32, head_dim=128, kv_heads=None, ca
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if hidden(mid) else (mid, hi)
     return hi
+
+
+def _check_rates(peak_flops, bandwidth, heads, kv_heads, itemsize):
+    check.positive(peak_flops, "peak_flops", example=9.89e14)
+    check.positive(bandwidth, "bandwidth (bytes per second)", example=4.5e11)
+    check.positive(itemsize, "itemsize (bytes per value)", example=2)
+    heads = check.whole(heads, "heads", at_least=1)
+    if kv_heads is not None and heads % check.whole(kv_heads, "kv_heads", at_least=1):
+        raise ValueError(f"kv_heads = {kv_heads} must divide heads = {heads} (each key/value "
+                         f"head serves a group of query heads).")

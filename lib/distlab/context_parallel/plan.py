@@ -1,5 +1,6 @@
 """What attention of one block of queries over one block of keys must compute under a causal
 mask, from positions alone: pieces to skip, to run in full, or to halve (a causal kernel)."""
+from .. import _argcheck as check
 
 
 def _runs(positions):
@@ -61,6 +62,8 @@ def block_plan(q_pos, k_pos, causal):
     when DIAGONAL) or PARTIAL (a masked kernel); fully masked pairs are left out, and query rows
     that see no key of the block are not listed. Adjacent query runs that see the same keys
     share one kernel, and so do adjacent key runs they see in full."""
+    check.integers(q_pos, "q_pos (the queries' positions)")
+    check.integers(k_pos, "k_pos (the keys' positions)")
     stripes = _stripes(q_pos, k_pos) if causal else None
     if stripes is not None:
         return stripes
