@@ -818,10 +818,17 @@ _ALL = {"GPipe": (ps.gpipe, 1), "1F1B": (ps.one_f_one_b, 1), "ZB-H1": (ps.zb_h1,
 
 
 def _shared_and_frozen(rank, world_size, batches, m):
-    return [{name: pp.train(rank, world_size, make, net(), batches, m, (SIZES[0],), v=v,
+    runs = [{name: pp.train(rank, world_size, make, net(), batches, m, (SIZES[0],), v=v,
                             lr=LR, dtype=torch.float64)
              for name, (make, v) in _ALL.items() if name != "DualPipe" or world_size % 2 == 0}
             for net in (_SharedNet, _AcrossNet)]
+    net = _AcrossNet()              # each rank builds it apart (+ rank): the copies start equal
+    with torch.no_grad():
+        for q in net.parameters():
+            q.add_(rank)
+    stage = pp.PipelineStage(pp.split_model(net.net, world_size), rank, world_size, (SIZES[0],))
+    return runs + [{f"net.{n}": q.detach().clone() for c in stage.chunks.values()
+                    for n, q in c.named_parameters()}]
 
 
 def _one_process(model, batches):
@@ -866,6 +873,14 @@ def test_every_schedule_is_exact_with_shared_and_frozen_weights(p):
     launched = distlab.run(_shared_and_frozen, p, batches, 2 * p, timeout=120)
     got = [r[0] for r in launched]
     _check_across([r[1] for r in launched], _one_process(_AcrossNet().double(), batches), p)
+    # net.5 (net.1 again) lands on stage 1 (p=2) or 2 (p=3); net.4.1.weight (net.2's) on
+    # stage 1 at p=2: those copies take stage 0's values, every other weight stays its own
+    base = dict(_AcrossNet().net.named_parameters(prefix="net", remove_duplicate=False))
+    for rank, r in enumerate(launched):
+        for n, q in r[2].items():
+            lowest = n.startswith("net.5.") or (n == "net.4.1.weight" and p == 2)
+            torch.testing.assert_close(q, base[n].detach() + (0 if lowest else rank),
+                                       msg=lambda m, n=n: f"rank {rank}, {n}: {m}")
     for name in got[0]:
         copies = 2 if name == "DualPipe" else 1                # DualPipe holds every piece twice
         names = sorted(n for r in got for n in r[name][0]["grads"])
