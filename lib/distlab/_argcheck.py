@@ -85,3 +85,45 @@ def floating_dtype(dtype, name):
         raise TypeError(f"{name} must be a floating-point dtype such as torch.bfloat16; got "
                         f"{dtype}.")
     return dtype
+
+
+def instance(x, kind, name, what):
+    """x when it is a `kind` (a class or a tuple of them); else a TypeError naming `what` was
+    expected and what came, before an AttributeError deep inside would hide the swap."""
+    if not isinstance(x, kind):
+        raise TypeError(f"{name} must be {what}; got a {type(x).__name__}.")
+    return x
+
+
+def group(g, name="group"):
+    """None (the default group: every rank) or a ProcessGroup; a mesh dimension's name or a list
+    of ranks is neither, and torch would fail on it inside a collective."""
+    if g is not None and not isinstance(g, torch.distributed.ProcessGroup):
+        raise TypeError(f"{name} must be a ProcessGroup (e.g. mesh.get_group('tp')) or None for "
+                        f"every rank; got a {type(g).__name__}.")
+    return g
+
+
+def features(x, n, name, weight=None, at_least_dims=1, shape_hint="(..., features)"):
+    """x as a floating tensor of at least `at_least_dims` dims whose last holds `n` features,
+    in `weight`'s dtype (unless autocast casts them); torch would say "mat1 and mat2" instead."""
+    floating(x, name)
+    if x.dim() < at_least_dims:
+        raise ValueError(f"{name} must be {shape_hint}; got shape {tuple(x.shape)}.")
+    if x.shape[-1] != n:
+        raise ValueError(f"{name} must have {n} features in its last dimension; got "
+                         f"{x.shape[-1]} (shape {tuple(x.shape)}).")
+    casts = torch.is_autocast_enabled(x.device.type)
+    if weight is not None and x.dtype != weight.dtype and not casts:
+        raise TypeError(f"{name} is {x.dtype} but the layer's weights are {weight.dtype}: convert "
+                        f"one with .to({weight.dtype}).")
+    return x
+
+
+def like(x, attrs, name, what):
+    """x when it is a module with the attributes `attrs` (so a learner's look-alike passes too);
+    else a TypeError naming `what` was expected."""
+    if not isinstance(x, torch.nn.Module) or not all(hasattr(x, a) for a in attrs):
+        raise TypeError(f"{name} must be {what} (a module with {', '.join(attrs)}); got a "
+                        f"{type(x).__name__}.")
+    return x

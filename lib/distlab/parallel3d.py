@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import _argcheck as check
 from .data_parallel import average_gradients, shard_batch
 from .devices import device
 from .mesh import HandMesh, coordinate, rank_at, wait_until_connected
@@ -80,6 +81,7 @@ class Stage3D(nn.Module):
 
     def __init__(self, gpt, stage, n_stages, tp_group, tie_group=None):
         super().__init__()
+        stage, n_stages = _check_stage(gpt, stage, n_stages, tp_group)
         self.stage, self.n_stages = stage, n_stages
         self.first, self.last = stage == 0, stage == n_stages - 1
         self.tied, self.tie_group = tied_embedding(gpt), tie_group
@@ -100,6 +102,7 @@ class Stage3D(nn.Module):
     @classmethod
     def from_dense(cls, gpt, mesh, on=None):
         """This rank's part of the dense `gpt`, on device `on` (default: distlab.device())."""
+        _check_mesh(mesh, Mesh3D)
         tie = first_last_group(mesh) if tied_embedding(gpt) and mesh.pp > 1 else None
         return cls(gpt.to(on or device()), mesh.p, mesh.pp, mesh.get_group("tp"), tie)
 
@@ -182,6 +185,7 @@ def train_step(stage, mesh, x, y, n_micro, lr):
     Every rank passes the whole global batch; it reads its dp shard of it. Returns the global
     batch's mean loss, on every rank. Gradients are left in .grad (averaged over dp).
     """
+    _check_step(stage, mesh, Mesh3D, x, y, n_micro, lr)
     for p in stage.parameters():
         p.grad = None
     dtype, on = next(stage.parameters()).dtype, next(stage.parameters()).device
@@ -289,6 +293,7 @@ def dense_state_dict(stage, mesh, grads=False):
 
 def layout_table(dp, pp, tp, n_layers):
     """Rows (rank, (d, p, t), what it holds) for the picture and the notebook."""
+    dp, pp, tp = (check.whole(n, name, at_least=1) for n, name in zip((dp, pp, tp), NAMES))
     bounds = stage_bounds(n_layers, pp)
     rows = []
     for r in range(dp * pp * tp):
@@ -300,3 +305,30 @@ def layout_table(dp, pp, tp, n_layers):
         held += ["ln_f + head"] if p == pp - 1 else []
         rows.append((r, (d, p, t), ", ".join(held) + f"; batch part {d + 1} of {dp}"))
     return rows
+
+
+def _check_stage(gpt, stage, n_stages, tp_group):
+    check.like(gpt, ("tok", "pos", "blocks", "ln_f", "head"), "gpt",
+               "a distlab.models TinyGPT (make_gpt(...))")
+    check.group(tp_group, "tp_group")
+    n_stages = check.whole(n_stages, "n_stages", at_least=1)
+    return check.rank_in(stage, n_stages, "stage"), n_stages
+
+
+def _check_mesh(mesh, kind):
+    check.instance(mesh, kind, "mesh", f"a {kind.__name__} such as p3.Mesh3D(dp, pp, tp), built "
+                   f"on every rank" if kind is Mesh3D else f"a {kind.__name__}")
+
+
+def _check_step(stage, mesh, kind, x, y, n_micro, lr):
+    """What train_step needs, refused before the first collective: a wrong call on one rank
+    would otherwise leave the others waiting for it."""
+    _check_mesh(mesh, kind)
+    check.like(stage, ("blocks",), "stage", "this rank's stage (Stage3D.from_dense(gpt, mesh))")
+    for name, t in (("x", x), ("y", y)):
+        if check.tensor(t, name).is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer token ids (torch.long), not {t.dtype}.")
+    if len(x) != len(y):
+        raise ValueError(f"x and y must hold the same number of sequences; got {len(x)} and "
+                         f"{len(y)}.")
+    check.whole(n_micro, "n_micro", at_least=1), check.positive(lr, "lr", allow_zero=True)

@@ -35,7 +35,8 @@ from .data_parallel import shard_batch
 from .devices import device
 from .mesh import HandMesh, rank_at
 from .models import lm_loss
-from .parallel3d import Stage3D, first_last_group, sum_tied_gradients, tied_embedding
+from .parallel3d import (Stage3D, _check_mesh, _check_step, first_last_group, sum_tied_gradients,
+                         tied_embedding)
 from .tensor_parallel import ParallelAttention
 
 NAMES = ("dp", "pp", "cp", "tp")
@@ -82,6 +83,7 @@ class Stage4D(Stage3D):
     follow the dense model's (`dense_name`), as in chapter 10."""
 
     def __init__(self, gpt, mesh):
+        _check_mesh(mesh, Mesh4D)
         tie = first_last_group(mesh) if tied_embedding(gpt) and mesh.pp > 1 else None
         super().__init__(gpt, mesh.p, mesh.pp, mesh.get_group("tp"), tie)
         for block in self.blocks:
@@ -118,6 +120,7 @@ def train_step(stage, mesh, x, y, lr, n_micro=1):
     """Forward and backward of the global batch (x, y) on the 4D mesh (GPipe over pp: every
     micro-batch forward, then every backward), gradients averaged over dp × cp, then SGD.
     Every rank passes the whole batch; returns the global mean loss on every rank."""
+    _check_step(stage, mesh, Mesh4D, x, y, n_micro, lr)
     on = next(stage.parameters()).device
     dtype = next(stage.parameters()).dtype
     xs, ys, positions = local_tokens(x.to(on), y.to(on), mesh)

@@ -22,6 +22,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from . import _argcheck as check
+
 _logs = []
 
 
@@ -167,24 +169,30 @@ class ReduceScatterFwdAllGatherBwd(torch.autograd.Function):
 # ---- the functional names the layers use ---------------------------------------------------------
 
 def identity_fwd_all_reduce_bwd(x, group):
-    return IdentityFwdAllReduceBwd.apply(x, group)
+    return IdentityFwdAllReduceBwd.apply(_checked(x, group), group)
 
 
 def all_reduce_fwd_identity_bwd(x, group):
-    return AllReduceFwdIdentityBwd.apply(x, group)
+    return AllReduceFwdIdentityBwd.apply(_checked(x, group), group)
 
 
 def all_gather_fwd_split_bwd(x, group, dim=-1):
-    return AllGatherFwdSplitBwd.apply(x, dim, group)
+    return AllGatherFwdSplitBwd.apply(_checked(x, group), dim, group)
 
 
 def split_fwd_all_gather_bwd(x, group, dim=-1):
-    return SplitFwdAllGatherBwd.apply(x, dim, group)
+    return SplitFwdAllGatherBwd.apply(_checked(x, group), dim, group)
 
 
 def all_gather_fwd_reduce_scatter_bwd(x, group, dim=1):
-    return AllGatherFwdReduceScatterBwd.apply(x, dim, group)
+    return AllGatherFwdReduceScatterBwd.apply(_checked(x, group), dim, group)
 
 
 def reduce_scatter_fwd_all_gather_bwd(x, group, dim=1):
-    return ReduceScatterFwdAllGatherBwd.apply(x, dim, group)
+    return ReduceScatterFwdAllGatherBwd.apply(_checked(x, group), dim, group)
+
+
+def _checked(x, group):
+    # inside autograd.Function a list or a mesh-dimension name fails as an AttributeError
+    check.group(group)
+    return check.tensor(x, "x")

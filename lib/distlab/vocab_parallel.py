@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import _argcheck as check
 from .tp_comm import (_record, all_gather_fwd_reduce_scatter_bwd, all_reduce_fwd_identity_bwd,
                       identity_fwd_all_reduce_bwd, reduce_scatter_fwd_all_gather_bwd)
 
@@ -33,6 +34,8 @@ from .tp_comm import (_record, all_gather_fwd_reduce_scatter_bwd, all_reduce_fwd
 def padded_vocab_size(vocab_size, tp, multiple_of=1):
     """The vocabulary rounded up to a multiple of tp × multiple_of (Megatron-LM pads to
     tp × 128 so that every shard's matmul has a GPU-friendly width)."""
+    vocab_size, tp, multiple_of = (check.whole(vocab_size, "vocab_size"), check.whole(tp, "tp"),
+                                   check.whole(multiple_of, "multiple_of"))
     if vocab_size < 1 or tp < 1 or multiple_of < 1:
         raise ValueError(f"vocab_size, tp and multiple_of must be >= 1; got {vocab_size}, {tp}, "
                          f"{multiple_of}.")
@@ -61,7 +64,7 @@ class _VocabSharded(nn.Module):
     """What the embedding and the head share: the rows this rank holds, and how to cut them."""
 
     def _setup(self, vocab_size, group, multiple_of):
-        self.group, self.vocab_size = group, vocab_size
+        self.group, self.vocab_size = check.group(group), vocab_size
         self.tp = dist.get_world_size(group)
         self.padded = padded_vocab_size(vocab_size, self.tp, multiple_of)
         self.first, self.stop = vocab_range(vocab_size, group, multiple_of)
@@ -92,6 +95,8 @@ class VocabParallelEmbedding(_VocabSharded):
 
     @classmethod
     def from_dense(cls, embedding, group=None, **kw):
+        check.instance(embedding, nn.Embedding, "VocabParallelEmbedding.from_dense's embedding",
+                       "an nn.Embedding")
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group,
                     dtype=embedding.weight.dtype, **kw)
         with torch.no_grad():
@@ -100,6 +105,7 @@ class VocabParallelEmbedding(_VocabSharded):
         return layer.to(embedding.weight.device)
 
     def forward(self, ids):
+        _check_ids(ids)
         # out-of-range ids would silently embed as zeros here (no rank holds them), where the
         # dense table raises; checking costs a host sync on a GPU, which Megatron-LM skips
         if not ids.is_meta and ids.numel() and (int(ids.min()) < 0
@@ -152,6 +158,7 @@ class ParallelLMHead(_VocabSharded):
 
     @classmethod
     def from_dense(cls, linear, group=None, **kw):
+        check.instance(linear, nn.Linear, "ParallelLMHead.from_dense's linear", "an nn.Linear")
         layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
                     dtype=linear.weight.dtype, **kw)
         with torch.no_grad():
@@ -166,6 +173,7 @@ class ParallelLMHead(_VocabSharded):
         return layer.to(linear.weight.device)
 
     def forward(self, x):
+        _check_head_input(self, x)
         if self.sequence_parallel:
             x = all_gather_fwd_reduce_scatter_bwd(x, self.group, dim=1)
         else:
@@ -220,6 +228,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
+def _check_ids(ids):
+    # F.embedding would name its "indices" argument; float ids also defeat the range check
+    check.tensor(ids, "ids")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"ids must hold integer token ids (torch.long), not {ids.dtype}: pass "
+                        f"the tokens as ids, e.g. torch.tensor([[3, 1, 4]]).")
+
+
+def _check_head_input(head, x):
+    sp = head.sequence_parallel      # the gather runs along dim 1: x needs a sequence there
+    check.features(x, head.in_features, "x", head.weight, at_least_dims=3 if sp else 1,
+                   shape_hint="(batch, tokens, features)" if sp else "(..., features)")
+
+
 def _check_targets(target, vocab_size, ignore_index):
     """Tokens the loss skips (target == ignore_index); any other target outside the vocabulary
     is refused. Every rank holds the same targets, so each checks locally and no rank is left
@@ -248,6 +270,7 @@ def vocab_parallel_cross_entropy(logits_shard, target, vocab_size, group=None,
     reduction="none": the per-token loss, shaped like `target`; "mean": F.cross_entropy's
     default, the mean over the tokens NOT ignored (NaN when every token is, as torch gives;
     `.mean()` of the per-token losses would count the ignored ones); "sum"."""
+    check.floating(logits_shard, "logits_shard"), check.tensor(target, "target")
     if logits_shard.shape[:-1] != target.shape:
         raise ValueError(f"logits_shard {tuple(logits_shard.shape)} needs one target per row; "
                          f"target is {tuple(target.shape)}.")

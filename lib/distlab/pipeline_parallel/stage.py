@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import _argcheck as check
 from .. import trace
 from ..devices import device
 from ..pipeline_schedules import normalize, placement_of, stage_of, virtual_stage
@@ -26,7 +27,7 @@ def split_model(seq, n_parts):
     """
     if not isinstance(seq, nn.Sequential):
         raise TypeError(f"split_model cuts an nn.Sequential; got {type(seq).__name__}.")
-    n = len(seq)
+    n, n_parts = len(seq), check.whole(n_parts, "n_parts", example=2)
     if not 1 <= n_parts <= n:
         raise ValueError(f"cannot cut {n} layers into {n_parts} stages: every stage needs at "
                          f"least one layer.")
@@ -36,6 +37,7 @@ def split_model(seq, n_parts):
 
 def micro_batch_sizes(batch, m):
     """Sizes of m micro-batches of a batch: equal, or differing by one when m does not divide it."""
+    batch = check.whole(batch, "batch", at_least=0)
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"the number of micro-batches must be a whole number >= 1; got {m!r}.")
     if m > batch:
@@ -54,10 +56,30 @@ def _output_shapes(parts, in_shape, dtype, where):
     shapes = []
     with torch.no_grad():
         x = torch.zeros((1, *in_shape), dtype=dtype, device=where)
-        for part in parts:
-            x = part(x)
+        for i, part in enumerate(parts):
+            try:
+                x = part(x)
+            except RuntimeError as e:        # torch's "mat1 and mat2 ...": say which shape
+                raise ValueError(f"in_shape {in_shape} (one sample, without the batch "
+                                 f"dimension) does not fit the model: piece {i} raised "
+                                 f"{str(e).splitlines()[0]!r}.") from None
             shapes.append(tuple(x.shape[1:]))
     return shapes
+
+
+def _check_stage(parts, rank, world_size, in_shape, dtype, group):
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(q, nn.Module) for q in parts):
+        raise TypeError("parts must be a list of modules, e.g. split_model(model.net, p).")
+    world_size = check.whole(world_size, "world_size", at_least=1)
+    rank = check.rank_in(rank, world_size)
+    check.floating_dtype(dtype, "dtype"), check.group(group)
+    if isinstance(in_shape, int) and not isinstance(in_shape, bool):
+        in_shape = (in_shape,)                 # one feature dimension, as (16,) would say
+    if not isinstance(in_shape, (tuple, list)):
+        raise TypeError(f"in_shape must be one sample's shape, a tuple like (16,); got "
+                        f"{in_shape!r}.")
+    return rank, world_size, tuple(check.whole(n, "in_shape's sizes", at_least=1)
+                                   for n in in_shape)
 
 
 class PipelineStage:
@@ -71,6 +93,7 @@ class PipelineStage:
 
     def __init__(self, parts, rank, world_size, in_shape, dtype=torch.float32, group=None,
                  placement="loop"):
+        rank, world_size, in_shape = _check_stage(parts, rank, world_size, in_shape, dtype, group)
         self.placement = placement_of(None, placement)
         dual = self.placement == "dual"
         if dual and (len(parts) != world_size or world_size % 2):

@@ -4,6 +4,7 @@ tied across stages by `sum_copies`."""
 import torch
 import torch.distributed as dist
 
+from .. import _argcheck as check
 from ..devices import device
 from ..pipeline_schedules import n_pieces, placement_of
 from .shared import sum_copies
@@ -24,6 +25,7 @@ def train(rank, world_size, schedule, model, batches, n_microbatches, in_shape, 
     the step by full-model name, and the timeline; for tests and the notebook.
     """
     import torch.nn.functional as F
+    _check_train(rank, world_size, schedule, model)
     loss_fn = loss_fn or F.mse_loss
     model = model.to(device=device(), dtype=dtype)
     schedule = schedule(world_size, n_microbatches)
@@ -79,3 +81,12 @@ def sum_dual_copies(stage, loss=None):
     dist.recv(theirs, src=peer, group=stage.group)
     send.wait()
     return mine[0] + theirs[0]
+
+
+def _check_train(rank, world_size, schedule, model):
+    check.rank_in(rank, check.whole(world_size, "world_size", at_least=1))
+    if not callable(schedule):
+        raise TypeError(f"schedule must be a function of (p, m) such as ps.one_f_one_b, or "
+                        f"lambda p, m: ps.make_schedule('1F1B', p, m); got {schedule!r}.")
+    check.like(model, ("net",), "model", "a model whose layers are an nn.Sequential named net")
+    check.instance(model.net, torch.nn.Sequential, "model.net", "an nn.Sequential to cut")

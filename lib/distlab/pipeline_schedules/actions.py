@@ -34,6 +34,7 @@ def placement_of(schedule, placement=None):
 
 def virtual_stage(rank, chunk, p, placement="loop"):
     """Which piece of the model chunk `chunk` of stage `rank` is (0 = the first layers)."""
+    _check_chunk(rank, chunk, p, placement)
     if placement == "v":
         return rank if chunk == 0 else 2 * p - 1 - rank
     if placement == "dual":
@@ -59,6 +60,15 @@ def n_pieces(p, v, placement="loop"):
 def direction(mb, m):
     """DualPipe: micro-batch mb of m enters at stage 0 (0, the first half) or p - 1 (1)."""
     return 0 if mb < m // 2 else 1
+
+
+def _check_chunk(rank, chunk, p, placement):
+    # a rank or chunk past the end would name another stage's piece without a word
+    chunks = "0 or 1" if placement in ("v", "dual") else "at least 0"
+    if not 0 <= rank < p:
+        raise ValueError(f"rank must be from 0 to {p - 1} ({p} stages); got {rank!r}.")
+    if chunk < 0 or (placement in ("v", "dual") and chunk > 1):
+        raise ValueError(f"chunk must be {chunks} in the {placement!r} placement; got {chunk!r}.")
 
 
 def _check(p, m):

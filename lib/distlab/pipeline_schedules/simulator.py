@@ -1,6 +1,7 @@
 """Checking a schedule and simulating it: every stage runs its list in order, waits for the
 tensors it needs, and each action takes a fixed time; what a timeline says (bubble, memory)."""
-from .actions import direction, n_pieces, normalize, placement_of, stage_of, virtual_stage
+from .. import _argcheck as check
+from .actions import _check, direction, n_pieces, normalize, placement_of, stage_of, virtual_stage
 
 
 def validate(schedule, m, placement=None):
@@ -100,6 +101,7 @@ def simulate(schedule, m, t_f=1.0, t_b=2.0, t_w=None, comm=0.0, placement=None, 
     then its B, splitting its time in the ratio t_f : t_b.
     Returns a list of dicts {stage, kind, mb, chunk, start, end}. Raises ValueError on a deadlock.
     """
+    _check_simulate(schedule, m, t_f, t_b, t_w, comm, t_fb)
     placement = placement_of(schedule, placement)
     pairs = getattr(schedule, "pairs", None) if t_fb is not None else None
     schedule, v = validate(schedule, m, placement)
@@ -178,6 +180,8 @@ def simulate(schedule, m, t_f=1.0, t_b=2.0, t_w=None, comm=0.0, placement=None, 
 
 def bubble_fraction(timeline):
     """Share of stage-time spent idle between the first start and the last end."""
+    if not timeline:
+        raise ValueError("timeline is empty: pass the list simulate(...) returns, or a run's.")
     stages = {e["stage"] for e in timeline}
     begin = min(e["start"] for e in timeline)
     span = max(e["end"] for e in timeline) - begin
@@ -192,3 +196,17 @@ def peak_in_flight(actions):
         held += 1 if a.kind == "F" else -1 if a.kind in "BW" else 0
         peak = max(peak, held)
     return peak
+
+
+def _check_simulate(schedule, m, t_f, t_b, t_w, comm, t_fb):
+    if not isinstance(schedule, (list, tuple)) or not schedule:
+        raise ValueError(f"schedule must hold one list of actions per stage, e.g. "
+                         f"ps.one_f_one_b(2, 4); got {schedule!r}.")
+    _check(len(schedule), m)
+    for name, t in (("t_f", t_f), ("t_b", t_b), ("t_fb", t_fb)):
+        if t is not None:
+            check.positive(t, name, example=1.0)
+    check.positive(comm, "comm", allow_zero=True)
+    if t_w is not None and not 0 <= check.positive(t_w, "t_w", allow_zero=True) <= t_b:
+        raise ValueError(f"t_w (the weight-gradient part of the backward) must be at most "
+                         f"t_b = {t_b}; got {t_w}.")

@@ -5,6 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 
+from .. import _argcheck as check
 from ..tp_comm import all_gather_fwd_reduce_scatter_bwd
 from .layers import (ColumnParallelLinear, RowParallelLinear, _copy_shards, match_dense,
                      per_rank)
@@ -29,6 +30,7 @@ class ParallelAttention(nn.Module):
     def __init__(self, d_model, n_heads, group=None, sequence_parallel=False, dtype=None,
                  n_kv_heads=None):
         super().__init__()
+        d_model, n_heads = _check_heads(d_model, n_heads, group)
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}.")
         self.group, self.n_heads, self.n_kv_heads = group, n_heads, n_kv_heads
@@ -60,6 +62,8 @@ class ParallelAttention(nn.Module):
     @classmethod
     def from_dense(cls, attn, group=None, sequence_parallel=False):
         """From distlab.models.Attention, or GroupedQueryAttention (its n_kv_heads)."""
+        check.like(attn, ("qkv", "proj", "n_heads"), "ParallelAttention.from_dense's attn",
+                   "a distlab.models Attention or GroupedQueryAttention")
         d = attn.proj.in_features
         tp = cls(d, attn.n_heads, group, sequence_parallel, dtype=attn.proj.weight.dtype,
                  n_kv_heads=getattr(attn, "n_kv_heads", None))
@@ -91,6 +95,8 @@ def kv_head_split(n_heads, n_kv_heads, tp):
     ranks (inference: no gradients); Megatron-LM keeps the weights evenly split and all-gathers
     the K/V activations (ParallelAttention). Either way the rank's K/V activations — and its
     KV cache — are `copies` times the even share; under vLLM its K/V weights are too."""
+    n_heads, n_kv_heads = check.whole(n_heads, "n_heads", 1), check.whole(n_kv_heads, "n_kv_heads")
+    tp = check.whole(tp, "tp", at_least=1)
     if n_kv_heads < 1 or n_heads % n_kv_heads:
         raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads} "
                          f"(each K/V head serves a group of query heads).")
@@ -110,3 +116,8 @@ def kv_head_split(n_heads, n_kv_heads, tp):
                          f"n_kv_heads, so that every K/V head is shared by the same number of "
                          f"ranks; choose one of {valid}.")
     return {"q heads": n_heads // tp, "kv heads": 1, "copies": tp // n_kv_heads}
+
+
+def _check_heads(d_model, n_heads, group):
+    check.group(group)
+    return check.whole(d_model, "d_model", at_least=1), check.whole(n_heads, "n_heads", at_least=1)

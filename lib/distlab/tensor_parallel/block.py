@@ -3,6 +3,7 @@ parallel), built from the dense distlab.models.Block."""
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import _argcheck as check
 from .attention import ParallelAttention
 from .layers import (ColumnParallelLinear, RowParallelLinear, _copy_shards, match_dense,
                      replicated)
@@ -24,6 +25,7 @@ class ParallelMLP(nn.Module):
 
     @classmethod
     def from_dense(cls, mlp, group=None, sequence_parallel=False):
+        check.like(mlp, ("fc1", "fc2"), "mlp", "a distlab.models FeedForward (block.mlp)")
         tp = cls(mlp.fc1.in_features, mlp.fc1.out_features, group, sequence_parallel,
                  dtype=mlp.fc1.weight.dtype)
         _copy_shards(tp.fc1, mlp.fc1)
@@ -53,6 +55,8 @@ class ParallelBlock(nn.Module):
 
     @classmethod
     def from_dense(cls, block, group=None, sequence_parallel=False):
+        check.like(block, ("ln1", "attn", "ln2", "mlp"), "ParallelBlock.from_dense's block",
+                   "a distlab.models Block (one of gpt.blocks)")
         d, hidden = block.ln1.normalized_shape[0], block.mlp.fc1.out_features
         tp = cls(d, block.attn.n_heads, hidden, group, sequence_parallel,
                  dtype=block.ln1.weight.dtype, n_kv_heads=getattr(block.attn, "n_kv_heads", None))
@@ -69,5 +73,7 @@ class ParallelBlock(nn.Module):
                             replicated(ln.bias, self.group), ln.eps)
 
     def forward(self, x):
+        check.features(x, self.ln1.normalized_shape[0], "x", self.ln1.weight, at_least_dims=3,
+                       shape_hint="(batch, tokens, d_model)")
         x = x + self.attn(self._norm(self.ln1, x))
         return x + self.mlp(self._norm(self.ln2, x))

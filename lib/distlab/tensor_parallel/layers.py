@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 
+from .. import _argcheck as check
 from ..tp_comm import (all_gather_fwd_reduce_scatter_bwd, all_gather_fwd_split_bwd,
                        all_reduce_fwd_identity_bwd, identity_fwd_all_reduce_bwd,
                        reduce_scatter_fwd_all_gather_bwd, split_fwd_all_gather_bwd)
@@ -35,6 +36,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, group=None, bias=True, gather_output=False,
                  sequence_parallel=False, chunks=1, dtype=None):
         super().__init__()
+        in_features, out_features = _check_sizes(in_features, out_features, group)
         equal = isinstance(chunks, int)
         sizes = (out_features // chunks,) * chunks if equal else tuple(chunks)
         if (equal and out_features % chunks) or sum(sizes) != out_features:
@@ -61,6 +63,7 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear, group=None, **kw):
+        check.instance(linear, nn.Linear, f"{cls.__name__}.from_dense's layer", "an nn.Linear")
         layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
                     dtype=linear.weight.dtype, **kw)
         _copy_shards(layer, linear)
@@ -68,6 +71,7 @@ class ColumnParallelLinear(nn.Module):
         return match_dense(layer.to(linear.weight.device), linear, f"{cls.__name__}.from_dense")
 
     def forward(self, x):
+        _check_input(self, x, self.in_features)
         if self.sequence_parallel:
             x = all_gather_fwd_reduce_scatter_bwd(x, self.group, dim=1)
         else:
@@ -87,6 +91,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, group=None, bias=True, input_is_parallel=True,
                  sequence_parallel=False, dtype=None):
         super().__init__()
+        in_features, out_features = _check_sizes(in_features, out_features, group)
         self.group = group
         self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         local = per_rank(in_features, group, "in_features")
@@ -101,6 +106,7 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear, group=None, **kw):
+        check.instance(linear, nn.Linear, f"{cls.__name__}.from_dense's layer", "an nn.Linear")
         layer = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
                     dtype=linear.weight.dtype, **kw)
         _copy_shards(layer, linear)
@@ -108,6 +114,7 @@ class RowParallelLinear(nn.Module):
         return match_dense(layer.to(linear.weight.device), linear, f"{cls.__name__}.from_dense")
 
     def forward(self, x):
+        _check_input(self, x, self.in_features // (self.tp if self.input_is_parallel else 1))
         if not self.input_is_parallel:
             x = split_fwd_all_gather_bwd(x, self.group, dim=-1)
         partial = F.linear(x, self.weight)
@@ -119,6 +126,19 @@ class RowParallelLinear(nn.Module):
             return y
         # Sequence parallel: each rank's bias gradient covers only its part of the sequence.
         return y + (replicated(self.bias, self.group) if self.sequence_parallel else self.bias)
+
+
+def _check_sizes(in_features, out_features, group):
+    check.group(group)
+    return (check.whole(in_features, "in_features", at_least=1),
+            check.whole(out_features, "out_features", at_least=1))
+
+
+def _check_input(layer, x, width):
+    # sequence parallel gathers or scatters dim 1, so x needs a sequence dimension there
+    sp = layer.sequence_parallel
+    check.features(x, width, "x", layer.weight, at_least_dims=3 if sp else 1,
+                   shape_hint="(batch, tokens, features)" if sp else "(..., features)")
 
 
 def replicated(param, group):

@@ -3,6 +3,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import _argcheck as check
 from .layers import per_rank
 
 
@@ -22,7 +23,7 @@ def dense_shards(tp_module, dense_module, grads=False):
 
 def sequence_slice(x, group, dim=1):
     """Rank r's slice of a full tensor along the sequence (a plain slice: no communication)."""
-    n = per_rank(x.shape[dim], group, "seq_len")
+    n = per_rank(check.tensor(x, "x").shape[dim], group, "seq_len")
     return x.narrow(dim, dist.get_rank(group) * n, n)
 
 

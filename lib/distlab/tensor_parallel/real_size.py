@@ -3,6 +3,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import _argcheck as check
 from .layers import ColumnParallelLinear, RowParallelLinear, per_rank
 
 
@@ -45,6 +46,7 @@ def tp_block_seconds(cluster, tp, tokens, hidden=4096, heads=32, ffn=11008,
     backward twice the forward; four all-reduces of the (tokens × hidden) activation on the
     link the group sees (Cluster.link_between: NVLink SHARP inside an H100 node, one ring per
     NIC across nodes). The formulas the emulator charges; elementwise work is left out."""
+    tp = _check_split(tp, tokens, hidden, heads, ffn)
     dev = cluster.device
     mm = sum(dev.gemm_seconds(tokens, n, k, dtype) for n, k in
              ((3 * hidden // tp, hidden), (hidden, hidden // tp), (2 * ffn // tp, hidden),
@@ -56,3 +58,13 @@ def tp_block_seconds(cluster, tp, tokens, hidden=4096, heads=32, ffn=11008,
     link = cluster.link_between(range(tp))
     comm = 4 * link.seconds("all_reduce", nbytes, tp) if tp > 1 else 0.0
     return {"compute": 3 * (mm + attn), "comm": comm}
+
+
+def _check_split(tp, tokens, hidden, heads, ffn):
+    tp = check.whole(tp, "tp", at_least=1)
+    check.whole(tokens, "tokens", at_least=1)
+    for name, n in (("heads", heads), ("hidden", hidden), ("ffn", ffn)):
+        if check.whole(n, name, at_least=1) % tp:
+            raise ValueError(f"tp={tp} does not divide {name}={n}: each rank holds 1/tp of "
+                             f"them; choose a tp that divides {name}.")
+    return tp

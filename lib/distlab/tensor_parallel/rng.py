@@ -4,6 +4,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from .. import _argcheck as check
+
 
 def _rng_state():
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() \
@@ -56,7 +58,7 @@ def model_parallel_seed(seed, group=None):
     tracker's "model-parallel-rng" stream gets seed + 2718 + the TP rank (dropout on SHARDED
     activations — a rank's heads, its slice of the MLP hidden, or, sequence parallel, its slice
     of the sequence — must differ, or every shard gets the same mask). 2718 is Megatron's offset."""
-    torch.manual_seed(seed)
+    torch.manual_seed(check.whole(seed, "seed", example=1234))
     tracker = RNGTracker()
     tracker.add("model-parallel-rng", seed + 2718 + dist.get_rank(group))
     return tracker
