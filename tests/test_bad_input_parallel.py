@@ -231,6 +231,9 @@ def test_what_is_allowed_still_works(fake_world):
     assert tpm.kv_head_split(np.int64(8), 2, np.int64(4))["copies"] == 2
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert col()(torch.ones(2, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    # meta tensors (full-size emulated runs): a device with no autocast to ask
+    with torch.device("meta"):
+        assert col()(torch.ones(2, 8)).shape == (2, 2)
     assert pp.split_model(seq(), np.int64(2))[1][0] is not None
     assert pp.PipelineStage(pp.split_model(seq(), 1), 0, 1, 2).in_shape == (2,)
     assert ps.bubble_fraction(ps.simulate(ps.zb_h1(2, 4), 4, t_w=0.0)) > 0

@@ -113,11 +113,19 @@ def features(x, n, name, weight=None, at_least_dims=1, shape_hint="(..., feature
     if x.shape[-1] != n:
         raise ValueError(f"{name} must have {n} features in its last dimension; got "
                          f"{x.shape[-1]} (shape {tuple(x.shape)}).")
-    casts = torch.is_autocast_enabled(x.device.type)
-    if weight is not None and x.dtype != weight.dtype and not casts:
+    if weight is not None and x.dtype != weight.dtype and not _autocast_may_cast(x):
         raise TypeError(f"{name} is {x.dtype} but the layer's weights are {weight.dtype}: convert "
                         f"one with .to({weight.dtype}).")
     return x
+
+
+def _autocast_may_cast(x):
+    """Whether autocast may cast x for the op; where the device has no autocast (meta tensors of
+    a full-size emulated run) it cannot say, so nothing is refused on its account."""
+    try:
+        return torch.is_autocast_enabled(x.device.type)
+    except RuntimeError:
+        return True
 
 
 def like(x, attrs, name, what):
