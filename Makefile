@@ -24,13 +24,15 @@ lab: $(STAMP)
 
 # nbgrader is an instructor's tool: installed for the tests that prove the workbooks grade, not by
 # `make lab` (learners would see its menus).
-# Three pytest workers, one file (one notebook) per worker at a time: most of a test's wall time is
-# ranks waiting on each other, kernels and torchrun starting, so three share 2 cores well
-# (measured on 2 cores: 13.8 min in one worker, 6.7 in three). `make test WORKERS=0` runs them in one.
+# Four pytest workers, one file (one notebook) per worker at a time, the longest files first
+# (tests/budget_walls.json): much of a test's wall time is ranks waiting on each other, kernels
+# and torchrun starting, so four share 2 cores well (measured on 2 quiet cores, the same tree:
+# three workers used 1.27 cores on average, four 1.64, and the four were each busy within 5 % of
+# one another). `make test WORKERS=0` runs them in one.
 # nbval runs the chapters (notebooks/), a kernel each; the solved workbooks run in ONE kernel,
 # judged by nbval's rules (tests/test_solutions.py: 79 CPU-s instead of 168 for thirteen kernels);
 # test-portable runs nbval itself on both.
-WORKERS ?= 3
+WORKERS ?= 4
 test: $(STAMP) $(VENV)/.distlab-grading-installed $(VENV)/.distlab-hta-installed
 	DISTLAB_NO_PROGRESS=1 $(PY) -m pytest tests notebooks $(NBVAL) --timeout=900 -q \
 		$(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
