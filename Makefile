@@ -26,9 +26,8 @@ lab: $(STAMP)
 # `make lab` (learners would see its menus).
 # Four pytest workers, one file (one notebook) per worker at a time, the longest files first
 # (tests/budget_walls.json): much of a test's wall time is ranks waiting on each other, kernels
-# and torchrun starting, so four share 2 cores well (measured on 2 quiet cores, the same tree:
-# three workers used 1.27 cores on average, four 1.64, and the four were each busy within 5 % of
-# one another). `make test WORKERS=0` runs them in one.
+# and torchrun starting, so four share 2 cores well (measured on 2 quiet cores: three workers
+# kept 1.27 cores busy on average, four 1.64, each of the four busy within 5 % of the others). `make test WORKERS=0` runs them in one.
 # nbval runs the chapters (notebooks/), a kernel each; the solved workbooks run in ONE kernel,
 # judged by nbval's rules (tests/test_solutions.py: 79 CPU-s instead of 168 for thirteen kernels);
 # test-portable runs nbval itself on both.
