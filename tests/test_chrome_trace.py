@@ -273,6 +273,19 @@ def test_one_ranks_file_of_a_big_job_reads_alone():
     assert t.overlap(34)["comm"] > 0
 
 
+@pytest.mark.parametrize("field", ["rank", "world_size"])
+def test_a_damaged_world_size_or_rank_is_a_sentence_not_a_trace_of_a_trillion_ranks(tmp_path, field):
+    # Found by test_readers_properties under another seed: a garbled distributedInfo naming
+    # 10**12 ranks made from_profiler build a list of 10**12 empty ranks (a hang, then the memory).
+    import gzip
+    doc = json.loads(gzip.open(next((DATA.parent / "hta_cpu_rank34").glob("*.gz"))).read())
+    doc["distributedInfo"][field] = 10 ** 12
+    (tmp_path / "rank.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="names a job of 1,000,000,000,00[01] ranks, more than "
+                                         "the 131,072 this reader takes: is it damaged?"):
+        from_profiler(tmp_path / "rank.json")
+
+
 def test_peers_inside_a_subgroup_are_global_ranks_or_unknown(tmp_path):
     # A real 4-rank profile (tests/data/profiler_subgroups): groups [0, 2] and [1, 3], rank 0
     # sends to 2 and rank 1 to 3 (group-local peer 1), ranks 2 and 3 receive (group-local src 0).

@@ -5,6 +5,11 @@ from .groups import Groups
 from .gpu import GPU_CATS, _gpu
 
 
+# More ranks than any job runs (the largest reported are ~100k GPUs): a number past it is a
+# damaged distributedInfo, and a Trace of that many empty ranks would take the memory with it.
+MAX_RANKS = 1 << 17
+
+
 def from_profiler(paths):
     """A distlab Trace from torch.profiler traces: a folder of them, one file, or a list of
     files (one per rank). The ranks are the files' own (distributedInfo.rank), so one rank's
@@ -21,6 +26,10 @@ def from_profiler(paths):
                              f"from_profiler needs one file per rank (pass each rank's file once).")
         seen[rank] = f
     world = max([max(ranks) + 1] + [_world_of(doc) for doc in docs])
+    if world > MAX_RANKS:
+        raise ValueError(f"the distributedInfo of {files[0].name} names a job of {world:,} ranks, "
+                         f"more than the {MAX_RANKS:,} this reader takes: is it damaged? Pass the "
+                         f"files torch.profiler wrote.")
     origin = min(_t0(doc) for doc in docs)
     per_rank = [dict(rank=r, events=[], spans=[], memory=[], gpu=False, end=0.0)
                 for r in range(world)]
