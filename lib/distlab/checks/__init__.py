@@ -66,12 +66,14 @@ def _has_contents(cell):
     return True
 
 
-class UsedCourseCode(RuntimeError):
-    """The learner's function called the course's implementation instead of writing its own."""
-
-
 class CheckFailed(AssertionError):
     """The learner's answer differs from the reference; the message says where."""
+
+
+class UsedCourseCode(CheckFailed):
+    """The learner's function called the course's implementation instead of writing its own.
+    A CheckFailed, so every refusal reaches the learner as a check's one sentence, however the
+    checker called the learner (in this process or on ranks)."""
 
 
 def passed(message):
@@ -396,15 +398,15 @@ def forbid(*objects, exercise="write it yourself", helpers=True):
     threading.setprofile(hook)
     try:
         yield
-    except UsedCourseCode:
-        raise
-    except BaseException as e:
-        if caught:
-            raise UsedCourseCode(caught[0]) from e
+    except CheckFailed:
+        raise           # the refusal itself, or call_learner's sentence for it: one sentence
+    except BaseException:
+        if caught:      # the learner caught the refusal, then failed: the refusal is the cause
+            raise UsedCourseCode(caught[0]) from None
         raise
     else:
         if caught:      # refused, and the learner's code caught the refusal and went on
-            raise UsedCourseCode(caught[0])
+            raise UsedCourseCode(caught[0]) from None
     finally:
         active.clear()
         sys.setprofile(previous)
