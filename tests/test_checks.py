@@ -143,3 +143,36 @@ def test_a_rank_importing_the_checkers_does_not_import_nbformat():
     # distlab.checks, and only the parent needs the exercise stub's message.
     before, after = distlab.run(_imports_checks, 1)[0]
     assert after == before
+
+
+def test_an_in_process_refusal_reaches_the_learner_as_one_check_sentence():
+    # forbid + call_learner, as the in-process checkers use them: the learner's code calls the
+    # course's function (refused inside), or catches that refusal and fails or goes on.
+    copy = _copy_of_debug()
+
+    def calls(model):
+        return copy.average_gradients(model)
+
+    def catches_then_fails(model):
+        try:
+            copy.average_gradients(model)
+        except Exception:
+            pass
+        raise ValueError("the learner's own bug after the refusal")
+
+    def catches_and_goes_on(model):
+        try:
+            copy.average_gradients(model)
+        except Exception:
+            pass
+        return "went on"
+
+    for learner in (calls, catches_then_fails, catches_and_goes_on):
+        with pytest.raises(CheckFailed, match="course's own average_gradients") as info:
+            with forbid(debug.average_gradients, exercise="average the gradients yourself"):
+                from distlab.checks import call_learner
+                call_learner(learner, None)
+        error = info.value
+        assert "\n" not in str(error), learner.__name__
+        # No "During handling of the above exception" chain in what the learner sees.
+        assert error.__cause__ is None and error.__suppress_context__, learner.__name__
