@@ -121,13 +121,14 @@ def test_the_emulator_and_the_cost_model_charge_a_calibrated_link_alike():
     link = H100_NODE.intra
     for op, term in (("all_reduce", "ring_all_reduce"), ("all_gather", "ring_all_gather")):
         assert emulate.comm_seconds(op, 1 << 20, 4, link) == cost.predict(term, 1 << 20, 4, link)
+    # a message: its own (p2p) rate, on the size ramp
     assert emulate.comm_seconds("send", 4000, 2, link) == pytest.approx(
-        link.alpha + 4000 / link.bandwidth)
+        link.alpha + 4000 / (link.p2p_bandwidth * link.filled(4000)))
     # the course's first preset names are calibrated too; their datasheet twins show the gap
     assert emulate.PRESETS["a100-nvlink"] is hardware.CALIBRATED_LEGACY["a100-nvlink"]
     legacy = emulate.PRESETS["a100-nvlink"].intra
     assert emulate.comm_seconds("all_reduce", 4000, 4, legacy) == pytest.approx(
-        legacy.latency + 6 * legacy.hop + 1.5 * 4000 / 230e9)
+        legacy.latency + 6 * legacy.hop + 1.5 * 4000 / (230e9 * legacy.filled(4000)))
     ideal = emulate.PRESETS["a100-nvlink-datasheet"].intra
     assert emulate.comm_seconds("all_reduce", 4 << 30, 4, ideal) < \
         emulate.comm_seconds("all_reduce", 4 << 30, 4, legacy) * 0.8
@@ -162,7 +163,7 @@ def test_an_all_to_all_across_nodes_goes_through_each_members_own_nics():
     remote = size * 8 / 16 / hardware.IB_NDR.bandwidth        # half its bytes, one NIC each
     local = size * 7 / 16 / hardware.NVLINK4.bandwidth
     assert link.seconds("all_to_all", size, 16) == pytest.approx(
-        link.latency + link.hop + max(remote, local))
+        link.latency + link.hop + max(remote, local) / link.filled(size))
     assert link.seconds("all_to_all", size, 16) > 3 * link.bandwidth ** -1 * size * 15 / 16
     from distlab.expert_parallel import all_to_all_seconds
     assert all_to_all_seconds(size, 16, two) == link.seconds("all_to_all", size, 16)
@@ -177,14 +178,15 @@ def test_a_group_split_unevenly_over_nodes_is_charged_for_the_members_each_node_
     nvl, nic = hardware.NVLINK4, hardware.IB_NDR
     uneven, even = two.link_between([0, 1, 2, 3, 8]), two.link_between([0, 1, 2, 3, 8, 9, 10, 11])
     tiny = uneven.seconds("all_reduce", 8, 5)
-    assert tiny == pytest.approx(nic.latency + 2 * 3 * nvl.hop + 2 * nic.hop + 1.6 * 8 / 47e9)
+    assert tiny == pytest.approx(nic.latency + 2 * 3 * nvl.hop + 2 * nic.hop
+                                 + 1.6 * 8 / (47e9 * uneven.filled(8)))
     assert uneven.bandwidth == 47e9 and even.bandwidth == 4 * 47e9
     size = 1 << 30
     assert uneven.seconds("all_to_all", size, 5) == pytest.approx(
-        nic.latency + nic.hop + size * 4 / 5 / 47e9)
+        nic.latency + nic.hop + size * 4 / 5 / 47e9 / uneven.filled(size))
     # ring collectives: 5 - 1 steps, one across each way, the rest on NVLink
     assert uneven.seconds("all_gather", 8, 5) == pytest.approx(
-        nic.latency + 3 * nvl.hop + nic.hop + 8 * 4 / 5 / 47e9)
+        nic.latency + 3 * nvl.hop + nic.hop + 8 * 4 / 5 / 47e9 / uneven.filled(8))
     # the same group in the other order, and 1+4, cost the same
     assert two.link_between([8, 3, 2, 1, 0]).seconds("all_reduce", 8, 5) == tiny
     assert two.link_between([0, 8, 9, 10, 11]).seconds("all_to_all", size, 5) == pytest.approx(

@@ -83,15 +83,20 @@ def test_compute_is_the_calibrated_devices_gemms():
     assert layout.layer_gemms(L13, t, 2) == [(t, 3 * 5120 // 2, 5120), (t, 5120, 5120 // 2),
                                              (t, 13824 // 2, 5120), (t, 13824 // 2, 5120),
                                              (t, 5120, 13824 // 2)]
-    attn = layout.attention_flops(L13, t, 1, 2) / (dev.peak(torch.bfloat16) * dev.gemm_efficiency(
-        t, t, 128, torch.bfloat16, 20))
-    assert one["attention"] == pytest.approx(3.5 * attn)          # flash backward: 2.5×
+    # fused attention at its kernel's rates (hardware.kernels), forward and backward (2.5× the
+    # FLOPs), causal
+    def attn(backward):
+        shape = hardware.AttentionShape(t, t, 128, 20, True, backward)
+        return layout.attention_flops(L13, t, 1, 2) / (
+            dev.peak(torch.bfloat16) * dev.attention_efficiency(shape))
+    assert one["attention"] == pytest.approx(attn(False) + 2.5 * attn(True))
     # the same accounting as hardware.step_seconds (validated in bench/fidelity.py) where both
-    # model the same thing (full recompute, SP's element-wise split, attention backward 2×),
-    # within 1 %: step_seconds charges every pass in one GEMM shape, the planner each in its own
+    # model the same thing (full recompute, SP's element-wise split, the attention kernel's
+    # forward and backward rates), within 1 %: step_seconds charges every pass in one GEMM shape,
+    # the planner each in its own
     shape = hardware.Transformer(40, 5120, 40, 13824, 0, glu=True)
     ref = hardware.step_seconds(shape, H100, 2, 16, 4096, tp=2)
-    lay = layout.layer_seconds(shape, dev, 4096, 1, tp=2, attention_backward=2.0)
+    lay = layout.layer_seconds(shape, dev, 4096, 1, tp=2)
     mine = 16 * 40 * (lay["gemm"] + lay["attention"] + lay["elementwise"]) / S
     assert mine + 16 * 3 * dev.floor == pytest.approx(ref["compute"], rel=0.01)
     assert ref["tp"] == pytest.approx(16 * 40 * 6 * NVL.seconds("all_reduce", 2 * 4096 * 5120, 2))
@@ -134,8 +139,11 @@ def test_recompute_compute_and_memory():
     dev = H100.device
     forward = sum(dev.seconds(2.0 * m * n * k, 2 * (m * k + k * n + m * n), torch.bfloat16,
                               (m, n, k)) for m, n, k in layout.layer_gemms(L13, 4096, 2))
+    attention_forward = layout.attention_flops(L13, 4096, 1, 2) / (
+        dev.peak(torch.bfloat16) * dev.attention_efficiency(
+            hardware.AttentionShape(4096, 4096, 128, 20, True, False)))
     assert lay["recompute"] == pytest.approx(forward + fwd["elementwise"] / 3
-                                             + fwd["attention"] / 3.5)
+                                             + attention_forward)
     assert lay["gemm"] == pytest.approx(fwd["gemm"] + forward)
     assert full["recompute_s"] == pytest.approx(2 * 40 * lay["recompute"] / S)
     # with flash attention, selective recompute is what the kernel already does: free
@@ -264,3 +272,48 @@ def test_pipeline_messages_scatter_gather_and_isend():
     one = link.seconds("send", act, 2)
     assert hidden["pp_s"] == pytest.approx(2 * 3 * one + 2 * m * max(0.0, one - chunk))
     assert hidden["pp_s"] < whole["pp_s"]
+
+
+# ---- issue 43: op-level selective recompute, fp32 gradients, layers pp does not divide ----------
+
+def test_op_level_selective_recompute_keeps_what_torchtitans_policy_saves():
+    # Llama 3 8B, 2 × 8192 tokens: the block input, q (1st matmul), v (3rd), the MLP gate (5th),
+    # the down projection (7th), the attention output and its float32 log-sum-exp
+    h, kv, ffn, t = 4096, 1024, 14336, 2 * 8192
+    parts = memory.activation_breakdown(8192, 2, h, 32, recompute="selective-op", kv_heads=8,
+                                        glu=True, ffn_mult=ffn / h)
+    assert sum(parts.values()) == pytest.approx(2 * t * (h + h + kv + ffn + h + h) + 4 * 32 * t)
+    none = memory.activation_breakdown(8192, 2, h, 32, kv_heads=8, glu=True, ffn_mult=ffn / h)
+    full = memory.activation_breakdown(8192, 2, h, 32, recompute="full")
+    assert sum(full.values()) < sum(parts.values()) < sum(none.values())
+    shape = hardware.Transformer(32, h, 32, ffn, 128256, 8, True)
+    kw = dict(dp=8, pp=1, tp=1, global_batch=16, seq_len=8192, micro_batch=2, zero_stage=3)
+    op = layout.price(shape, checkpointing="selective-op", **kw)
+    sel, fl = layout.price(shape, checkpointing="none", **kw), layout.price(
+        shape, checkpointing="full", **kw)
+    assert fl["gb"] < op["gb"] < sel["gb"]
+    assert sel["step_s"] < op["step_s"] < fl["step_s"]     # half the matmuls recomputed
+    assert op["peak_parts"]["fsdp buffers"] > 0
+
+
+def test_fp32_gradients_cost_two_more_bytes_a_parameter():
+    kw = dict(dp=4, pp=1, tp=8, global_batch=64, seq_len=2048)
+    bf16 = layout.price("Llama-2 13B", **kw)
+    fp32 = layout.price("Llama-2 13B", grad_bytes=4, **kw)
+    n = memory.PRESETS["Llama-2 13B"][0]
+    assert (fp32["gb"] - bf16["gb"]) * memory.GB == pytest.approx(2 * n / 8, rel=0.02)
+    with pytest.raises(ValueError, match="grad_bytes must be 2"):
+        layout.price("Llama-2 13B", grad_bytes=3, **kw)
+
+
+def test_layers_that_pp_does_not_divide_are_priced_on_the_heaviest_stage():
+    # Llama 3 405B: 126 layers at pp 8 (torchtitan's Table 5 runs it): 16 on the heaviest stage
+    shape = hardware.Transformer(126, 16384, 128, 53248, 128256, 8, True)
+    r = layout.price(shape, dp=8, pp=8, tp=8, global_batch=256, seq_len=8192,
+                     checkpointing="full", zero_stage=3)
+    even = hardware.Transformer(128, 16384, 128, 53248, 128256, 8, True)
+    r128 = layout.price(even, dp=8, pp=8, tp=8, global_batch=256, seq_len=8192,
+                        checkpointing="full", zero_stage=3)
+    assert r["step_s"] == pytest.approx(r128["step_s"], rel=0.02)
+    with pytest.raises(ValueError, match="do not split into 8 stages × 2 chunks"):
+        layout.price(shape, dp=8, pp=8, tp=8, global_batch=256, seq_len=8192, interleave=2)

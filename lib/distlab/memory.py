@@ -59,6 +59,8 @@ def gpus_to_hold(n_bytes, gpu_bytes=80 * GB):
 
 ATTENTION = ("flash", "materialized")
 RECOMPUTATION = ("none", "selective", "full")
+# ... and torchtitan's op-level selective checkpointing ("selective-op"), for the planner
+RECOMPUTE_POLICIES = RECOMPUTATION + ("selective-op",)
 
 
 def activation_breakdown(seq_len, batch, hidden, heads, attention="flash", recompute="none",
@@ -96,8 +98,8 @@ def activation_breakdown(seq_len, batch, hidden, heads, attention="flash", recom
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}; got {attention!r}.")
     recompute = {False: "none", None: "none", True: "full"}.get(recompute, recompute)
-    if recompute not in RECOMPUTATION:
-        raise ValueError(f"recompute must be one of {RECOMPUTATION} (or True/False); "
+    if recompute not in RECOMPUTE_POLICIES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_POLICIES} (or True/False); "
                          f"got {recompute!r}.")
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tp must be a whole number >= 1; got {tp!r}.")
@@ -108,6 +110,8 @@ def activation_breakdown(seq_len, batch, hidden, heads, attention="flash", recom
     if recompute == "full":
         return {"layer input (the rest is recomputed)": v * sbh / rep}
     kv = (kv_heads or heads) / heads            # K and V are kv/heads of Q's size under GQA
+    if recompute == "selective-op":
+        return _op_level_saved(sbh, v, heads, seq_len * batch, kv, ffn_mult, glu, tp, rep)
     parts = {
         "LayerNorm inputs": 2 * v * sbh / rep,
         "QKV matmul input": v * sbh / rep,
@@ -126,6 +130,26 @@ def activation_breakdown(seq_len, batch, hidden, heads, attention="flash", recom
         parts["s×s attention scores"] = (2 * v + 1) * scores if dropout else v * scores
     elif attention == "flash":
         parts["log-sum-exp (float32)"] = 4 * heads * seq_len * batch / tp
+    return parts
+
+
+def _op_level_saved(sbh, v, heads, tokens, kv, ffn_mult, glu, tp, rep):
+    """torchtitan's op-level selective checkpointing (torchtitan/distributed/
+    activation_checkpoint.py, `_custom_policy`): inside each checkpointed block the outputs of
+    the ops in its save list are kept — every matmul except every second one, counted in
+    forward order, and the attention kernel's output with its float32 log-sum-exp — plus the
+    block's input; norms, rotary embedding, activations and residual adds are recomputed. The
+    matmuls in order: q, k, v, the output projection, then SwiGLU's gate and up, or GeLU's up,
+    then down; column-parallel outputs split 1/tp, row-parallel ones (output, down) 1/tp only
+    with sequence parallelism."""
+    mlp = [("MLP gate", ffn_mult, tp), ("MLP up", ffn_mult, tp)] if glu \
+        else [("MLP up", ffn_mult, tp)]
+    matmuls = [("Q", 1, tp), ("K", kv, tp), ("V", kv, tp), ("attention output projection", 1, rep),
+               *mlp, ("MLP down", 1, rep)]
+    parts = {"block input": v * sbh / rep}
+    for name, width, split in matmuls[0::2]:          # the 1st, 3rd, ... matmul: saved
+        parts[f"{name} (matmul output)"] = width * v * sbh / split
+    parts["attention output and log-sum-exp (float32)"] = v * sbh / tp + 4 * heads * tokens / tp
     return parts
 
 

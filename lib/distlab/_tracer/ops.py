@@ -4,6 +4,8 @@ c10d ops issued from C++, FLOPs and matmul shapes for the device model."""
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from ..hardware.kernels import AttentionShape
+
 
 def _tensors(x):
     if isinstance(x, torch.Tensor):
@@ -79,6 +81,9 @@ def _flops(func, args, kwargs, out):
     if packet in _ATTENTION:
         packet, where = _ATTENTION[packet]
         causal = len(args) > where and args[where] is True
+    # An in-place matmul (`out.addmm_(a, b)`) does the out-of-place op's work: torch's counter
+    # does not list the in-place packets, and without this it was charged its bytes only.
+    packet = _IN_PLACE.get(packet, packet)
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
@@ -89,17 +94,24 @@ def _flops(func, args, kwargs, out):
     return flops // 2 if causal else flops
 
 
+_IN_PLACE = {_aten.addmm_: _aten.addmm, _aten.baddbmm_: _aten.baddbmm}
 # where each matmul's operands sit in its arguments (the device's GEMM curve needs m, n, k)
-_MATMULS = {_aten.mm: 0, _aten.addmm: 1, _aten.bmm: 0, _aten.baddbmm: 1}
+_MATMULS = {_aten.mm: 0, _aten.addmm: 1, _aten.bmm: 0, _aten.baddbmm: 1, _aten.addmm_: 1,
+            _aten.baddbmm_: 1}
 
 
 def _matmul_shape(func, args):
-    """(m, n, k, batch) of a matmul op, None for any other op."""
+    """(m, n, k, batch) of a matmul op, an AttentionShape of a fused attention kernel (its own
+    kind of kernel on the device), None for any other op."""
     packet = func._overloadpacket
-    if packet in _ATTENTION:       # the scores' GEMM: (t_q × head) · (head × t_k), per head
-        at = 0 if packet is _aten._scaled_dot_product_flash_attention_for_cpu else 1  # grad first
+    if packet in _ATTENTION:
+        backward = packet is not _aten._scaled_dot_product_flash_attention_for_cpu
+        at = 1 if backward else 0                                   # the gradient comes first
         q, k = args[at], args[at + 1]
-        return q.shape[-2], k.shape[-2], q.shape[-1], q.numel() // (q.shape[-2] * q.shape[-1])
+        where = _ATTENTION[packet][1]
+        causal = len(args) > where and args[where] is True
+        return AttentionShape(q.shape[-2], k.shape[-2], q.shape[-1],
+                              q.numel() // (q.shape[-2] * q.shape[-1]), causal, backward)
     first = _MATMULS.get(packet)
     if first is None or len(args) < first + 2:
         return None
@@ -111,6 +123,14 @@ def _matmul_shape(func, args):
     if a.dim() == 3:
         return a.shape[1], b.shape[2], a.shape[2], a.shape[0]
     return None
+
+
+def _op_bytes(func, args, out):
+    """Bytes an op moves through memory: its inputs and outputs, except an embedding lookup,
+    which reads the rows it gathers (as many as it writes), not the whole table."""
+    if func._overloadpacket is _aten.embedding and len(args) >= 2:
+        return _nbytes(args[1]) + 2 * _nbytes(out)
+    return _nbytes(args) + _nbytes(out)
 
 
 def _first_dtype(args):

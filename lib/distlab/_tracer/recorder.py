@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .ops import (_COLLECTIVES, _COMM_NAMESPACES, _NATIVE, _P2P, _dtype, _first_dtype, _flops,
-                  _matmul_shape, _nbytes, _tensors)
+                  _matmul_shape, _nbytes, _op_bytes, _tensors)
 from .meta import MetaValueError, _MetaFunctions, _meta, _on_meta
 from .work import TracedWork, _NoTransfer
 
@@ -85,7 +85,7 @@ class Recorder:
     # -- compute -----------------------------------------------------------------------------
     def charge(self, func, args, kwargs, out):
         flops = _flops(func, args, kwargs, out)
-        nbytes = _nbytes(args) + _nbytes(out)
+        nbytes = _op_bytes(func, args, out)
         if not flops and not nbytes:
             return
         start = self.clock.now

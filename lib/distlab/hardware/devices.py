@@ -16,13 +16,18 @@ Device — one op costs
   350 TFLOP/s on an H100, 2048×1024×2048 (twice the output tiles) 523 (OpenXLA's measured
   table). The emulator reads m, n, k from a matmul's arguments (`seconds(..., mnk=)`); an op
   with FLOPs but no matmul shape (attention, convolution) is charged as the square GEMM of the
-  same FLOPs (m = n = k = d, 2·d³ = FLOPs), so that more FLOPs never cost less.
+  same FLOPs (m = n = k = d, 2·d³ = FLOPs), so that more FLOPs never cost less — except fused
+  attention, which is its own kind of kernel (`kernels.AttentionKernel`: the emulator passes an
+  `AttentionShape` where it would pass m, n, k). No shape exceeds the device's best measured
+  matmul (`gemm_max`): the curve is smooth, real GEMMs stop at what the hardware sustains.
 """
 import math
 import numbers
 from dataclasses import dataclass, replace
 
 import torch
+
+from .kernels import FA2_A100, FA2_H100, AttentionKernel, AttentionShape
 
 _F32, _BF16, _F16, _F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 _US, _GB = 1e-6, 1e9
@@ -46,7 +51,10 @@ class Device:
     size m·n at which a matmul reaches half of that; `k_half`: the inner dimension at which it
     does; `launch_floor`: seconds an eager op costs
     however small; `graph_floor`: the same under CUDA graphs / torch.compile; `mode`: "eager"
-    or "graphs"; `datasheet_memory_bandwidth`: the HBM bandwidth on the datasheet."""
+    or "graphs"; `datasheet_memory_bandwidth`: the HBM bandwidth on the datasheet;
+    `gemm_max`: the best fraction of the 16-bit peak any measured matmul reached (a cap on the
+    curve); `attention`: the fused attention kernel (None: attention charged as its scores'
+    GEMM)."""
     name: str
     flops: dict
     memory_bandwidth: float
@@ -59,6 +67,8 @@ class Device:
     datasheet_memory_bandwidth: float = None
     memory_bytes: float = None
     source: str = ""
+    gemm_max: float = None
+    attention: AttentionKernel = None
 
     def __post_init__(self):
         owner = f"Device {self.name!r}"
@@ -79,6 +89,13 @@ class Device:
         _positive(owner, "datasheet_memory_bandwidth", self.datasheet_memory_bandwidth,
                   allow_none=True)
         _positive(owner, "memory_bytes", self.memory_bytes, allow_none=True)
+        _positive(owner, "gemm_max", self.gemm_max, allow_none=True)
+        if self.gemm_max is not None and self.gemm_max > 1:
+            raise ValueError(f"{owner}: gemm_max is a fraction of peak, at most 1; "
+                             f"got {self.gemm_max!r}.")
+        if self.attention is not None and not isinstance(self.attention, AttentionKernel):
+            raise ValueError(f"{owner}: attention must be a distlab.hardware.AttentionKernel or "
+                             f"None; got {self.attention!r}.")
         if self.mode not in ("eager", "graphs"):
             raise ValueError(f"{owner}: mode must be 'eager' or 'graphs'; got {self.mode!r}.")
 
@@ -100,7 +117,10 @@ class Device:
         tiles = batch * m * n
         fill = tiles / (tiles + self.tile_half) if self.tile_half else 1.0
         depth = k / (k + self.k_half) if self.k_half else 1.0
-        return self.gemm_best * fill * depth
+        eff = self.gemm_best * fill * depth
+        if self.gemm_max is not None and dtype in (_BF16, _F16):
+            eff = min(eff, self.gemm_max)
+        return eff
 
     def gemm_seconds(self, m, n, k, dtype=_BF16, batch=1):
         """Modeled seconds of a (batch ×) m×n×k matmul in `dtype`, floor and memory traffic
@@ -114,7 +134,8 @@ class Device:
     def seconds(self, flops, nbytes, dtype, mnk=None):
         """Modeled time of one operation: its kernel (arithmetic or memory traffic, whichever
         bounds it) or the launch floor, whichever is longer. `mnk`: (m, n, k) or (m, n, k,
-        batch) of a matmul; without it an op with FLOPs is charged as a square GEMM."""
+        batch) of a matmul, or an AttentionShape for fused attention; without it an op with
+        FLOPs is charged as a square GEMM."""
         for name, value in (("flops", flops), ("nbytes", nbytes)):
             if not (isinstance(value, numbers.Real) and not isinstance(value, bool)
                     and math.isfinite(value) and value >= 0):
@@ -128,15 +149,31 @@ class Device:
                 # cost less (its efficiency rose faster than its work); no bytes: the asymptote.
                 d = max(1.0, (flops / 2.0) ** (1 / 3))      # at least a 1×1×1 GEMM
                 eff = self.gemm_efficiency(d, d, d, dtype) if nbytes else self.gemm_best
+            elif isinstance(mnk, AttentionShape):
+                eff = self.attention_efficiency(mnk, dtype)
             else:
                 eff = self.gemm_efficiency(*mnk[:3], dtype, *mnk[3:])
             compute = flops / (self.peak(dtype) * eff)
         return max(self.floor, compute, nbytes / self.memory_bandwidth)
 
+    def attention_efficiency(self, shape, dtype=_BF16):
+        """Achieved fraction of peak of one fused attention call (an AttentionShape): the
+        device's attention kernel, or — without one (a datasheet twin, a device built by hand) —
+        its scores' GEMM (q_len × kv_len × head_dim, batch × heads of them)."""
+        if self.attention is None:
+            return self.gemm_efficiency(shape.q_len, shape.kv_len, shape.head_dim, dtype,
+                                        shape.batch_heads)
+        return self.attention.efficiency(shape.kv_len, shape.head_dim, shape.causal,
+                                         shape.backward)
+
+    def with_attention(self, kernel):
+        """The same device running another fused attention kernel (e.g. kernels.FA3_H100)."""
+        return replace(self, attention=kernel)
+
     def ideal(self):
         """The same device at its datasheet: GEMMs at peak, datasheet HBM, no launch floor."""
         return replace(self, name=f"{self.name} (datasheet)", gemm_best=1.0, tile_half=0.0,
-                       k_half=0.0,
+                       k_half=0.0, gemm_max=None, attention=None,
                        launch_floor=0.0, graph_floor=0.0,
                        memory_bandwidth=self.datasheet_memory_bandwidth or self.memory_bandwidth)
 
@@ -176,16 +213,35 @@ _GEMM_BEST, _TILE_HALF, _K_HALF = 0.91, 1.05e6, 296
 # host cost goes, a kernel's own fixed cost stays: OpenXLA's smallest sm_90 matmuls take ≈ 6 µs
 # (256×512×256: 11.5 TFLOP/s for 67 MFLOP), which includes a launch; 3 µs is an ESTIMATE.
 _EAGER_FLOOR, _GRAPH_FLOOR = 10 * _US, 3 * _US
+# The cap: the best bf16 matmul measured on each part, over every shape tried — "Maximum
+# Achievable Matmul FLOPS" (MAMF, v2) in stas00/ml-engineering compute/accelerator/README.md:
+# A100 SXM 271.2 of 312 TFLOP/s, H100 SXM 794.5 of 989, GH200 141GB 828.6 of 989 (the H200 SXM's
+# die; its cap an ESTIMATE from the GH200's). These three rows set the cap: they are
+# `calibration` rows in bench/published.csv (they were validation rows of the curve until the
+# cap was fitted to them — issue 43: large H100 GEMMs came out at 855-888 TFLOP/s).
+_MAMF = {"A100": 271.2 / 312, "H100": 794.5 / 989, "H200": 828.6 / 989}
 
 A100 = Device("NVIDIA A100 SXM 80GB", _A100_PEAK, 1.80e12, gemm_best=_GEMM_BEST,
               tile_half=_TILE_HALF * 108 / 132, k_half=_K_HALF, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
               datasheet_memory_bandwidth=2.039e12, memory_bytes=80e9,
+              gemm_max=_MAMF["A100"], attention=FA2_A100,
               source="A100 datasheet; GEMM curve OpenXLA sm_90 (estimate); HBM 1.80 TB/s measured")
 H100 = Device("NVIDIA H100 SXM", _H100_PEAK, 0.90 * 3.35e12, gemm_best=_GEMM_BEST,
               tile_half=_TILE_HALF, k_half=_K_HALF, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
               datasheet_memory_bandwidth=3.35e12, memory_bytes=80e9,
+              gemm_max=_MAMF["H100"], attention=FA2_H100,
               source="H100 datasheet; GEMM curve fitted to OpenXLA sm_90")
 H200 = Device("NVIDIA H200 SXM", _H100_PEAK, 0.90 * 4.8e12, gemm_best=_GEMM_BEST,
               tile_half=_TILE_HALF, k_half=_K_HALF, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
               datasheet_memory_bandwidth=4.8e12, memory_bytes=141e9,
-              source="H200 datasheet; H100's GEMM curve (same die)")
+              gemm_max=_MAMF["H200"], attention=FA2_H100,
+              source="H200 datasheet; H100's GEMM curve and attention kernel (same die)")
+# The H100s of torchtitan's published H100 runs (Meta's Grand Teton hosts): "96GB HBM2e with
+# 2.4 TB/sec peak memory bandwidth", "the default 500W power limit" (pytorch/torchtitan
+# benchmarks/llama3_h100_202412_torchtitan.md). HBM at the same 90 % of its datasheet (an
+# ESTIMATE); the power limit lowers sustained clocks by an amount no source states: the SXM
+# part's peak and GEMM curve are kept, so this part's compute is modeled optimistic.
+H100_GRAND_TETON = replace(H100, name="NVIDIA H100 96GB HBM2e, 500 W (Grand Teton)",
+                           memory_bandwidth=0.90 * 2.4e12, datasheet_memory_bandwidth=2.4e12,
+                           memory_bytes=96e9,
+                           source="torchtitan's H100 benchmark hosts: HBM2e 2.4 TB/s, 500 W")

@@ -11,8 +11,13 @@ Link — a collective of S bytes on N ranks costs
   plus a small cost per step; a small collective costs ≈ 10-15 µs inside a node and ≈ 25 µs
   across nodes, nearly flat in N — not 2(N-1)·α. Across nodes NCCL runs one ring per NIC, so a
   group with k members on each node reaches min(intra-node rate, k × NIC rate) (`Cluster`).
-  What this misses (listed in bench/fidelity.py): the protocol switch between 64 KiB and
-  64 MiB, where real busbw climbs more slowly than latency + bytes/B.
+  Between about 1 and 256 MiB real busbw climbs more slowly than latency + bytes/B: NCCL
+  engages fewer channels and switches protocol (LL, LL128, Simple) for smaller messages, and
+  its pipeline does not fill. The bytes term is divided by the size ramp
+  1 - exp(-(S/S0)^p) (`ramp`), S the message; FITTED to NVIDIA's DGX H100 nccl-tests sample
+  (dgxc-benchmarking), held against Azure's and others' 8×A100 and 8×H200 tables.
+  A point-to-point message (a pipeline stage's send) has its own rate (`p2p_bandwidth`): NCCL
+  sends it over fewer channels than a collective's ring.
 
 Cluster — devices, the node's link, the NIC, GPUs per node, NICs per node and (optionally) how
 many nodes exist. `PRESETS` holds calibrated clusters; `DATASHEET` the same hardware at its
@@ -52,9 +57,19 @@ class Link:
     nvls: float = None
     datasheet: float = None
     source: str = ""
+    ramp: tuple = None
+    p2p_bandwidth: float = None
 
     def __post_init__(self):
         owner = f"Link {self.name!r}"
+        if self.ramp is not None:
+            ok = (isinstance(self.ramp, tuple) and len(self.ramp) == 2
+                  and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                          and math.isfinite(v) and v > 0 for v in self.ramp))
+            if not ok:
+                raise ValueError(f"{owner}: ramp must be (S0 bytes > 0, power > 0) or None; "
+                                 f"got {self.ramp!r}.")
+        _positive(owner, "p2p_bandwidth", self.p2p_bandwidth, allow_none=True)
         _positive(owner, "bandwidth", self.bandwidth)
         _positive(owner, "latency", self.latency, allow_zero=True)
         _positive(owner, "hop", self.hop, allow_zero=True)
@@ -71,6 +86,13 @@ class Link:
     def beta(self):
         return 1.0 / self.bandwidth
 
+    def filled(self, nbytes):
+        """The fraction of its large-message rate a message of `nbytes` reaches (the ramp)."""
+        if self.ramp is None or nbytes <= 0:
+            return 1.0
+        s0, power = self.ramp
+        return max(1e-9, -math.expm1(-(nbytes / s0) ** power))
+
     def busbw(self, op="all_reduce"):
         """Achieved bus bandwidth of `op` for large messages on this link. An all_reduce (also
         cost's "ring_all_reduce": NCCL's all_reduce, whatever algorithm it picks) uses NVLink
@@ -85,11 +107,12 @@ class Link:
             raise ValueError(f"unknown collective {op!r}; the model knows {sorted(_TERM)}.")
         check_size(f"Link.seconds({op!r})", nbytes, world_size)
         if op == "send":
-            return self.alpha + nbytes / self.bandwidth
+            rate = self.p2p_bandwidth or self.bandwidth
+            return self.alpha + nbytes / (rate * self.filled(nbytes))
         if world_size <= 1:
             return 0.0
         steps, volume = TERMS[_TERM[op]](nbytes, world_size)
-        return self.latency + steps * self.hop + volume / self.busbw(op)
+        return self.latency + steps * self.hop + volume / (self.busbw(op) * self.filled(nbytes))
 
     def alpha_beta(self):
         """The link as chapter 03's α-β model sees a ring built from messages: α = a message's
@@ -103,7 +126,8 @@ class Link:
         never slower than the calibrated link (an estimate: no datasheet states an NVLS rate)."""
         rate = self.datasheet or self.bandwidth
         nvls = self.nvls * rate / self.bandwidth if self.nvls else None
-        return replace(self, name=f"{self.name} (datasheet)", bandwidth=rate, nvls=nvls)
+        return replace(self, name=f"{self.name} (datasheet)", bandwidth=rate, nvls=nvls,
+                       ramp=None, p2p_bandwidth=None)
 
     def __str__(self):
         rate = f"busbw {self.bandwidth / _GB:.3g} GB/s"
@@ -156,7 +180,7 @@ class GroupLink(Link):
             slowest = max(max(nbytes * (c - 1) / world_size / intra,
                               nbytes * (world_size - c) / world_size / nic)
                           for c, nic in zip(members, nics))
-            return self.latency + steps_out * self.hop + slowest
+            return self.latency + steps_out * self.hop + slowest / self.filled(nbytes)
         if _TERM[op] == "ring_all_reduce":
             # NCCL's tree (low-latency protocol) for small all_reduces across nodes: up and down
             # the chain inside each node (the longest one waits last), and log2(nodes) network
@@ -166,7 +190,7 @@ class GroupLink(Link):
             steps_out = self.nodes - 1
             steps_in = max(0, TERMS[_TERM[op]](nbytes, world_size)[0] - steps_out)
         return (self.latency + steps_in * self.intra_hop + steps_out * self.hop
-                + volume / self.bandwidth)
+                + volume / (self.bandwidth * self.filled(nbytes)))
 
 
 # NVLink inside a node. Latency: NCCL's model of its low-latency (LL) protocol, NVIDIA/nccl
@@ -175,12 +199,25 @@ class GroupLink(Link):
 # Message latency: NCCL sendrecv of 1 KB between two H800s on NVLink ≈ 3.7 µs without CUDA
 # graphs (NVIDIA/nccl#1984); 5 µs is an ESTIMATE that leaves room for a launch.
 _NVL_LAT, _NVL_HOP, _NVL_P2P = 6.6 * _US, 0.6 * _US, 5 * _US
+# The size ramp, FITTED (least squares on log busbw) to the 1-64 MiB rows of NVIDIA's own DGX H100
+# all_reduce_perf sample (NVIDIA/dgxc-benchmarking nccl/README.md: 67.0 GB/s at 1 MiB ... 361.7 at
+# 64 MiB; calibration rows in bench/published.csv): S0 = 26 MiB, power 0.38 (at 1 GiB the ramp
+# costs 2 %, at 4 GiB 0.1 %: the large-message calibration rows keep their rates). Validation:
+# Azure's 8×A100 and 8×H200 tables, stas00/ml-engineering's 8×H200. The same ramp on every link
+# and for every collective is an ESTIMATE (measured here: all_reduce inside a node).
+_RAMP = (26 * 2**20, 0.38)
+# A message between two GPUs of a node: nccl-tests sendrecv_perf on 8 A100s (each sends to the
+# next), 195.1 GB/s at 1 GiB (li-plus/playground cuda/nccl.md): NVLink 3's p2p rate, FITTED
+# (calibration). NVLink 4: the same fraction of the ring's busbw (195 / 230 of 370 GB/s), an
+# ESTIMATE.
+_NVL3_P2P_BW, _NVL4_P2P_BW = 195 * _GB, 370 * 195 / 230 * _GB
 # A100 NVLink 3: 600 GB/s both directions, 300 per direction (A100 datasheet). Achieved
 # all_reduce busbw on 8 A100 SXM: 232.5 GB/s (NVIDIA/nccl-tests#175, a single DGX-class node);
 # NCCL's own tuning model caps Ampere busbw at 235 GB/s (tuning.cc, 2.8: "if (compCap80) busBw
 # = std::min(busBw, 235.0f)"). 230 GB/s.
 NVLINK3 = Link("NVLink 3 (A100 SXM)", 230 * _GB, _NVL_LAT, _NVL_HOP, _NVL_P2P,
-               datasheet=300 * _GB, source="nccl-tests#175: 232.5 GB/s on 8 A100")
+               datasheet=300 * _GB, source="nccl-tests#175: 232.5 GB/s on 8 A100",
+               ramp=_RAMP, p2p_bandwidth=_NVL3_P2P_BW)
 # H100 / H200 NVLink 4: 900 GB/s both directions, 450 per direction (datasheets). "With the
 # protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s ... NCCL_ALGO=
 # RING"; "On 8 GPUs, you should reach a peak busBw of ~480GB/s" with NVLink SHARP (S. Jeaugey,
@@ -188,7 +225,8 @@ NVLINK3 = Link("NVLink 3 (A100 SXM)", 230 * _GB, _NVL_LAT, _NVL_HOP, _NVL_P2P,
 # nccl-tests#290).
 NVLINK4 = Link("NVLink 4 (H100/H200 SXM)", 370 * _GB, _NVL_LAT, _NVL_HOP, _NVL_P2P,
                nvls=480 * _GB, datasheet=450 * _GB,
-               source="nccl-tests#212 (sjeaugey): ring 370 GB/s, NVLS ~480 GB/s")
+               source="nccl-tests#212 (sjeaugey): ring 370 GB/s, NVLS ~480 GB/s",
+               ramp=_RAMP, p2p_bandwidth=_NVL4_P2P_BW)
 # Network, one NIC. Latency: tuning.cc hwLat NET Tree/LL 5.0 µs per network step, the same
 # 6.6 µs base; a message across the network: 10 µs is an ESTIMATE (NVLink's 5 µs plus one
 # network hop). Rates: InfiniBand NDR 400 Gb/s = 50 GB/s line rate; "For NDR @ 400Gbps you should
@@ -198,11 +236,12 @@ NVLINK4 = Link("NVLink 4 (H100/H200 SXM)", 370 * _GB, _NVL_LAT, _NVL_HOP, _NVL_P
 # per the maintainers (NVIDIA/nccl#495): 10 GB/s per NIC is an ESTIMATE from that.
 _NET_LAT, _NET_HOP, _NET_P2P = 6.6 * _US, 5.0 * _US, 10 * _US
 IB_NDR = Link("InfiniBand NDR 400 Gb/s (one NIC)", 47 * _GB, _NET_LAT, _NET_HOP, _NET_P2P,
-              datasheet=50 * _GB, source="nccl-tests#290: 46-48 GB/s per NDR NIC")
+              datasheet=50 * _GB, source="nccl-tests#290: 46-48 GB/s per NDR NIC", ramp=_RAMP)
 IB_HDR = Link("InfiniBand HDR 200 Gb/s (one NIC)", 24 * _GB, _NET_LAT, _NET_HOP, _NET_P2P,
-              datasheet=25 * _GB, source="NVIDIA/nccl#412: 24 GB/s per HDR NIC")
+              datasheet=25 * _GB, source="NVIDIA/nccl#412: 24 GB/s per HDR NIC", ramp=_RAMP)
 ETH_100G = Link("100 Gb Ethernet (one NIC)", 10 * _GB, _NET_LAT, _NET_HOP, _NET_P2P,
-                datasheet=12.5 * _GB, source="NVIDIA/nccl#495 (estimate: ~9.4 GB/s per NIC)")
+                datasheet=12.5 * _GB, source="NVIDIA/nccl#495 (estimate: ~9.4 GB/s per NIC)",
+                ramp=_RAMP)
 
 
 @dataclass(frozen=True)
@@ -280,7 +319,7 @@ class Cluster:
             f"{len(nodes)} nodes {shape} ({k} NIC{'s' if k > 1 else ''} each)",
             min(self.intra.bandwidth, k * self.inter.bandwidth), self.inter.latency,
             self.inter.hop, self.inter.p2p_latency, None, None, self.inter.source,
-            nodes=len(nodes), intra_hop=self.intra.hop, intra_bandwidth=self.intra.bandwidth,
+            ramp=self.inter.ramp, nodes=len(nodes), intra_hop=self.intra.hop, intra_bandwidth=self.intra.bandwidth,
             member_nic=min(min(c, self.nics_per_node) * self.inter.bandwidth / c for c in members),
             members=members,
             member_nics=tuple(min(c, self.nics_per_node) * self.inter.bandwidth / c

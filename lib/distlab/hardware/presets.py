@@ -1,5 +1,5 @@
 """The calibrated clusters by name, each with its source, and their datasheet twins."""
-from .devices import A100, H100, H200
+from .devices import A100, H100, H100_GRAND_TETON, H200
 from .fabric import ETH_100G, IB_HDR, IB_NDR, NVLINK3, NVLINK4, Cluster
 
 
@@ -28,6 +28,11 @@ PRESETS = {
                            "DGX A100 SuperPOD-like: any number of nodes"),
     "h100-cluster": _multi("H100 nodes (8 GPUs, 8 NDR NICs each)", H100, NVLINK4, IB_NDR, 8, 8,
                            "DGX H100 SuperPOD-like: any number of nodes"),
+    # torchtitan's published H100 runs: "Hosts are inter-connected with backend RDMA network
+    # with 400 Gb/s per GPU" — one 400 Gb/s NIC per GPU, modeled as NDR
+    "h100-grand-teton": _multi("Grand Teton H100 hosts (8 × 96 GB HBM2e, 500 W; 400 Gb/s per GPU)",
+                               H100_GRAND_TETON, NVLINK4, IB_NDR, 8, 8,
+                               "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"),
 }
 DATASHEET = {f"{name}-datasheet": cluster.ideal() for name, cluster in PRESETS.items()}
 

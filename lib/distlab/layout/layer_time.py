@@ -50,8 +50,18 @@ def layer_seconds(shape, device, seq_len, batch, tp=1, cp=1, sequence_parallel=T
     heads, head_dim = shape.heads // tp, shape.hidden // shape.heads
     flash = attention == "flash"
     a_flops = attention_flops(shape, seq_len, batch, tp, cp, causal=flash)
-    attn = a_flops / (device.peak(dtype) * device.gemm_efficiency(
-        seq_len // cp, seq_len, head_dim, dtype, batch * heads))
+    attn_bwd = attention_backward if flash else 2.0
+    if flash:
+        # the fused kernel (hardware.kernels): its forward and its backward at their own rates
+        def rate(backward):
+            return device.peak(dtype) * device.attention_efficiency(hardware.AttentionShape(
+                seq_len // cp, seq_len, head_dim, batch * heads, True, backward), dtype)
+        attn = a_flops / rate(False)
+        attn_backward_s = attn_bwd * a_flops / rate(True)
+    else:
+        attn = a_flops / (device.peak(dtype) * device.gemm_efficiency(
+            seq_len // cp, seq_len, head_dim, dtype, batch * heads))
+        attn_backward_s = attn_bwd * attn
     # hardware.step_seconds' element-wise bytes: 68·s·b·h fused (Korthikanti's 34 stored bytes
     # written once and read once), 140 unfused; the replicated 10 of 34 without SP
     per_token = 68 if fused else 140
@@ -60,12 +70,16 @@ def layer_seconds(shape, device, seq_len, batch, tp=1, cp=1, sequence_parallel=T
     if not flash:      # materialised scores: softmax (and its mask) over a·s² values, read + written
         elementwise += 2 * 5 * heads * (seq_len // cp) * seq_len * batch
     elementwise /= device.memory_bandwidth
-    attn_bwd = attention_backward if flash else 2.0
-    again = {"none": 0.0, "selective": 0.0 if flash else 1.0, "full": 1.0}[recompute]
-    redo = (fwd + elementwise if recompute == "full" else 0.0) + again * attn
+    again = {"none": 0.0, "selective": 0.0 if flash else 1.0, "full": 1.0,
+             "selective-op": 0.0}[recompute]
+    # op-level selective recompute (torchtitan): every second matmul and all element-wise work
+    # again in backward, never the attention kernel (its output is saved)
+    gemm_again = {"full": 1.0, "selective-op": 0.5}.get(recompute, 0.0)
+    ew_again = 1.0 if recompute in ("full", "selective-op") else 0.0
+    redo = gemm_again * fwd + ew_again * elementwise + again * attn
     if recompute == "selective" and not flash:
         redo += 2 * 5 * heads * (seq_len // cp) * seq_len * batch / device.memory_bandwidth
-    return dict(gemm=train + (fwd if recompute == "full" else 0.0),
-                attention=(1 + attn_bwd) * attn + again * attn,
-                elementwise=3 * elementwise + (elementwise if recompute == "full" else 0.0),
+    return dict(gemm=train + gemm_again * fwd,
+                attention=attn + attn_backward_s + again * attn,
+                elementwise=3 * elementwise + ew_again * elementwise,
                 recompute=redo)

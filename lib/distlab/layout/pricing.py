@@ -45,7 +45,7 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
           sequence_parallel=True, interleave=1, overlap_dp=True, overlap_tp=False,
           overlap_cp=True, vocab_parallel=True, attention="flash", fused=True, sustained=None,
           optimizer="adam", bucket_bytes=BUCKET_BYTES, dp_messages=None, schedule="1f1b",
-          dropout=False, scatter_gather=True, overlap_pp=False):
+          dropout=False, scatter_gather=True, overlap_pp=False, grad_bytes=2):
     """Seconds per step (split into compute, bubble, tp, cp, pp, dp, optimizer) and GB per GPU
     (peak and steady; `peak_parts`: the peak's model states, saved activations, one layer
     recomputed under full recompute, and logits, in GB) of one layout, on the calibrated `cluster` (a preset name or a
@@ -61,7 +61,11 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     replace the cluster's. `dropout`: Korthikanti's dropout masks (Llama trains without).
     `scatter_gather`: stage-to-stage messages of 1/tp of the activation (Megatron's
     optimisation), else the whole activation from every tp rank (the course's train_step).
-    `overlap_pp`: messages sent asynchronously (isend), hidden behind the next micro-batch."""
+    `overlap_pp`: messages sent asynchronously (isend), hidden behind the next micro-batch.
+    `checkpointing="selective-op"`: torchtitan's op-level policy (memory.activation_breakdown).
+    `grad_bytes`: bytes of a gradient (2: bf16; 4: fp32, Megatron-LM's default with --bf16, which
+    accumulates and reduces gradients in fp32 `main_grad` buffers). Layers that pp does not
+    divide (Llama 3 405B's 126 at pp 8) are priced on the heaviest stage, ceil(layers / pp)."""
     shape, n = shape_of(model)
     _check_layout(shape, dp, pp, tp, cp, gpus_per_node, global_batch, seq_len, micro_batch,
                   value_bytes)
@@ -71,7 +75,9 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     if schedule not in ("1f1b", "gpipe"):
         raise ValueError(f"schedule must be '1f1b' or 'gpipe'; got {schedule!r}.")
     v = interleave
-    if not isinstance(v, int) or v < 1 or shape.layers % (pp * v):
+    if grad_bytes not in (2, 4):
+        raise ValueError(f"grad_bytes must be 2 (bf16 gradients) or 4 (fp32); got {grad_bytes!r}.")
+    if not isinstance(v, int) or v < 1 or (v > 1 and shape.layers % (pp * v)):
         raise ValueError(f"interleave={v!r}: {shape.layers} layers do not split into "
                          f"{pp} stages × {v} chunks.")
     m = global_batch // (dp * micro_batch)
@@ -81,7 +87,7 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     dtype = {2: _BF16, 4: torch.float32}[value_bytes]
     b, s, h, L = micro_batch, seq_len, shape.hidden, shape.layers
     tokens = b * s // cp
-    layers_here = L // pp
+    layers_here = -(-L // pp)                   # the heaviest stage's layers
 
     # ---- memory -------------------------------------------------------------------------
     vocab_rows = shape.vocab / (tp if vocab_parallel else 1)
@@ -93,7 +99,16 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     last = stage_params + vocab_rows * h if pp > 1 else first
     states = {k: sum(memory.model_state_bytes(p, zero_stage=zero_stage,
                                               world_size=dp * cp).values())
+                 + (grad_bytes - 2) * p / (dp * cp if zero_stage >= 2 else 1)
               for k, p in (("first", first), ("last", last))}
+    # FSDP (ZeRO-3) holds whole units for a moment: the unit computing now gathered in bf16 with
+    # its bf16 gradient and the fp32 copy that is reduce-scattered (torchtitan's
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): 2 + 2 + 4 bytes a parameter),
+    # the largest unit being the head (vocabulary × hidden) or a layer, and the next layer
+    # prefetched (2 bytes) — an ESTIMATE of FSDP2's peak buffers, not a measurement
+    buffers = 0.0
+    if zero_stage == 3 and dp * cp > 1:
+        buffers = 8 * max(per_layer / tp, vocab_rows * h) + 2 * per_layer / tp
     act_kw = dict(tp=tp, sequence_parallel=sequence_parallel, kv_heads=shape.kv_heads,
                   glu=shape.glu, ffn_mult=shape.ffn / h, dropout=dropout, attention=attention,
                   bytes_per_value=value_bytes)
@@ -106,11 +121,12 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     # the first stage holds in_flight micro-batches of its layers; the last one of them (1F1B)
     acts_first = in_flight * layers_here * saved * factor
     acts_last = (m if schedule == "gpipe" else 1) * layers_here * saved
-    working = whole if recompute == "full" else 0.0     # one layer recomputed at a time
+    # one layer recomputed at a time: all of it (full), what was not kept (op-level)
+    working = {"full": whole, "selective-op": whole - saved}.get(recompute, 0.0)
     logits = tokens * vocab_rows * LOGIT_BYTES
     steady = states["first"] + acts_first
-    peak_first = steady + working + (logits if pp == 1 else 0.0)
-    peak_last = states["last"] + acts_last + working + logits
+    peak_first = steady + working + (logits if pp == 1 else 0.0) + buffers
+    peak_last = states["last"] + acts_last + working + logits + buffers
     peak = max(peak_first, peak_last)
     # what the peak is made of, on the stage where it occurs (chapter 12 sets them side by side)
     if peak_first >= peak_last:
@@ -119,6 +135,8 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
         parts = (states["last"], acts_last, working, logits)
     peak_parts = dict(zip(("states", "activations", "working", "logits"),
                           (x / memory.GB for x in parts)))
+    if buffers:
+        peak_parts["fsdp buffers"] = buffers / memory.GB
     limit = gpu_bytes if gpu_bytes is not None else (dev.memory_bytes or 80 * memory.GB)
 
     # ---- compute --------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def model_flops(shape, seq_len, tokens, recompute="none", causal=False, attentio
 
 def _recompute(checkpointing):
     r = {False: "none", None: "none", True: "full"}.get(checkpointing, checkpointing)
-    if r not in memory.RECOMPUTATION:
-        raise ValueError(f"checkpointing must be one of {memory.RECOMPUTATION} (or True/False); "
+    if r not in memory.RECOMPUTE_POLICIES:
+        raise ValueError(f"checkpointing must be one of {memory.RECOMPUTE_POLICIES} (or True/False); "
                          f"got {checkpointing!r}.")
     return r
