@@ -121,9 +121,13 @@ def test_the_emulator_and_the_cost_model_charge_a_calibrated_link_alike():
     link = H100_NODE.intra
     for op, term in (("all_reduce", "ring_all_reduce"), ("all_gather", "ring_all_gather")):
         assert emulate.comm_seconds(op, 1 << 20, 4, link) == cost.predict(term, 1 << 20, 4, link)
-    # a message: its own (p2p) rate, on the size ramp
     assert emulate.comm_seconds("send", 4000, 2, link) == pytest.approx(
-        link.alpha + 4000 / (link.p2p_bandwidth * link.filled(4000)))
+        link.alpha + 4000 / link.bandwidth)
+    # with the measured regimes: its own (p2p) rate, on the size ramp
+    measured = hardware.measured(link)
+    assert emulate.comm_seconds("send", 4000, 2, measured) == pytest.approx(
+        link.alpha + 4000 / (measured.p2p_bandwidth * measured.filled(4000)))
+    assert measured.filled(4 << 30) > 0.998 and measured.filled(16 << 20) < 0.6
     # the course's first preset names are calibrated too; their datasheet twins show the gap
     assert emulate.PRESETS["a100-nvlink"] is hardware.CALIBRATED_LEGACY["a100-nvlink"]
     legacy = emulate.PRESETS["a100-nvlink"].intra

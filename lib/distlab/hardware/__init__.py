@@ -20,11 +20,12 @@ The package, one module per idea:
 """
 from .devices import A100, H100, H100_GRAND_TETON, H200, Device
 from .kernels import FA2_A100, FA2_H100, FA3_H100, AttentionKernel, AttentionShape
-from .fabric import (ETH_100G, IB_HDR, IB_NDR, NVLINK3, NVLINK4, Cluster, GroupLink, Link)
+from .fabric import (ETH_100G, IB_HDR, IB_NDR, NVLINK3, NVLINK4, Cluster, GroupLink, Link,
+                     measured)
 from .presets import CALIBRATED_LEGACY, DATASHEET, PRESETS
 from .step import SUSTAINED, Transformer, step_seconds
 
 __all__ = ["A100", "H100", "H100_GRAND_TETON", "H200", "Device", "FA2_A100", "FA2_H100", "FA3_H100",
            "AttentionKernel", "AttentionShape", "ETH_100G", "IB_HDR", "IB_NDR", "NVLINK3",
-           "NVLINK4", "Cluster", "GroupLink", "Link", "CALIBRATED_LEGACY", "DATASHEET",
+           "NVLINK4", "Cluster", "GroupLink", "Link", "measured", "CALIBRATED_LEGACY", "DATASHEET",
            "PRESETS", "SUSTAINED", "Transformer", "step_seconds"]

@@ -18,6 +18,9 @@ Link — a collective of S bytes on N ranks costs
   (dgxc-benchmarking), held against Azure's and others' 8×A100 and 8×H200 tables.
   A point-to-point message (a pipeline stage's send) has its own rate (`p2p_bandwidth`): NCCL
   sends it over fewer channels than a collective's ring.
+  Both are OFF in the presets, which keep the α-β line chapters 03, 05 and 07 teach and check
+  learners' formulas against; `measured(link)` / `Cluster.measured()` turn them on (bench/
+  fidelity.py reports both). Making them the default means teaching the ramp in those chapters.
 
 Cluster — devices, the node's link, the NIC, GPUs per node, NICs per node and (optionally) how
 many nodes exist. `PRESETS` holds calibrated clusters; `DATASHEET` the same hardware at its
@@ -216,8 +219,7 @@ _NVL3_P2P_BW, _NVL4_P2P_BW = 195 * _GB, 370 * 195 / 230 * _GB
 # NCCL's own tuning model caps Ampere busbw at 235 GB/s (tuning.cc, 2.8: "if (compCap80) busBw
 # = std::min(busBw, 235.0f)"). 230 GB/s.
 NVLINK3 = Link("NVLink 3 (A100 SXM)", 230 * _GB, _NVL_LAT, _NVL_HOP, _NVL_P2P,
-               datasheet=300 * _GB, source="nccl-tests#175: 232.5 GB/s on 8 A100",
-               ramp=_RAMP, p2p_bandwidth=_NVL3_P2P_BW)
+               datasheet=300 * _GB, source="nccl-tests#175: 232.5 GB/s on 8 A100")
 # H100 / H200 NVLink 4: 900 GB/s both directions, 450 per direction (datasheets). "With the
 # protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s ... NCCL_ALGO=
 # RING"; "On 8 GPUs, you should reach a peak busBw of ~480GB/s" with NVLink SHARP (S. Jeaugey,
@@ -225,8 +227,7 @@ NVLINK3 = Link("NVLink 3 (A100 SXM)", 230 * _GB, _NVL_LAT, _NVL_HOP, _NVL_P2P,
 # nccl-tests#290).
 NVLINK4 = Link("NVLink 4 (H100/H200 SXM)", 370 * _GB, _NVL_LAT, _NVL_HOP, _NVL_P2P,
                nvls=480 * _GB, datasheet=450 * _GB,
-               source="nccl-tests#212 (sjeaugey): ring 370 GB/s, NVLS ~480 GB/s",
-               ramp=_RAMP, p2p_bandwidth=_NVL4_P2P_BW)
+               source="nccl-tests#212 (sjeaugey): ring 370 GB/s, NVLS ~480 GB/s")
 # Network, one NIC. Latency: tuning.cc hwLat NET Tree/LL 5.0 µs per network step, the same
 # 6.6 µs base; a message across the network: 10 µs is an ESTIMATE (NVLink's 5 µs plus one
 # network hop). Rates: InfiniBand NDR 400 Gb/s = 50 GB/s line rate; "For NDR @ 400Gbps you should
@@ -236,12 +237,20 @@ NVLINK4 = Link("NVLink 4 (H100/H200 SXM)", 370 * _GB, _NVL_LAT, _NVL_HOP, _NVL_P
 # per the maintainers (NVIDIA/nccl#495): 10 GB/s per NIC is an ESTIMATE from that.
 _NET_LAT, _NET_HOP, _NET_P2P = 6.6 * _US, 5.0 * _US, 10 * _US
 IB_NDR = Link("InfiniBand NDR 400 Gb/s (one NIC)", 47 * _GB, _NET_LAT, _NET_HOP, _NET_P2P,
-              datasheet=50 * _GB, source="nccl-tests#290: 46-48 GB/s per NDR NIC", ramp=_RAMP)
+              datasheet=50 * _GB, source="nccl-tests#290: 46-48 GB/s per NDR NIC")
 IB_HDR = Link("InfiniBand HDR 200 Gb/s (one NIC)", 24 * _GB, _NET_LAT, _NET_HOP, _NET_P2P,
-              datasheet=25 * _GB, source="NVIDIA/nccl#412: 24 GB/s per HDR NIC", ramp=_RAMP)
+              datasheet=25 * _GB, source="NVIDIA/nccl#412: 24 GB/s per HDR NIC")
 ETH_100G = Link("100 Gb Ethernet (one NIC)", 10 * _GB, _NET_LAT, _NET_HOP, _NET_P2P,
-                datasheet=12.5 * _GB, source="NVIDIA/nccl#495 (estimate: ~9.4 GB/s per NIC)",
-                ramp=_RAMP)
+                datasheet=12.5 * _GB, source="NVIDIA/nccl#495 (estimate: ~9.4 GB/s per NIC)")
+_P2P_BW = {NVLINK3.name: _NVL3_P2P_BW, NVLINK4.name: _NVL4_P2P_BW}
+
+
+def measured(link):
+    """The link with NCCL's measured message-size ramp and, inside a node, its point-to-point
+    rate (see the module docstring); an α-β cost.Link is returned as it is."""
+    if not isinstance(link, Link):
+        return link
+    return replace(link, ramp=_RAMP, p2p_bandwidth=_P2P_BW.get(link.name, link.p2p_bandwidth))
 
 
 @dataclass(frozen=True)
@@ -334,6 +343,13 @@ class Cluster:
     def with_mode(self, mode):
         """The same cluster with eager ("eager") or compiled/CUDA-graph ("graphs") launches."""
         return replace(self, device=self.device.with_mode(mode))
+
+    def measured(self):
+        """The same cluster with its links' measured message-size ramp and p2p rate
+        (`fabric.measured`)."""
+        return replace(self, name=f"{self.name} (measured link regimes)",
+                       intra=measured(self.intra),
+                       inter=None if self.inter is None else measured(self.inter))
 
     def __str__(self):
         links = f"{self.intra}"
