@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 import distlab
 from distlab import rendezvous
-from distlab.checks import CheckFailed, ch01
+from checker_battery import battery
+from distlab.checks import ch01
 
 matplotlib.use("Agg")
 
@@ -112,12 +113,21 @@ def test_rendezvous_picture_draws(world_size):
     plt.close("all")
 
 
-# ---- the workbook's checkers: right answers pass, wrong ones are named --------------------------
+# ---- the workbook's checkers, through the battery (tests/checker_battery.py) --------------------
 
 def rank_slice(rank, world_size, n):
     base, extra = divmod(n, world_size)
     start = rank * base + min(rank, extra)
     return start, start + base + (rank < extra)
+
+
+def rank_slice_by_counting(rank, world_size, n):
+    # Differently written: deal the items out one by one and count where this rank's begin.
+    sizes = [0] * world_size
+    for i in range(n):
+        sizes[i % world_size] += 1
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank]
 
 
 def rank_slice_extra_to_last(rank, world_size, n):
@@ -126,24 +136,28 @@ def rank_slice_extra_to_last(rank, world_size, n):
     return start, start + base + (rank >= world_size - extra)
 
 
-def rank_slice_drops_remainder(rank, world_size, n):
-    base = n // world_size
-    return rank * base, (rank + 1) * base
+def rank_slice_tensor_split(rank, world_size, n):
+    sizes = [len(c) for c in torch.arange(n).tensor_split(world_size)]
+    return sum(sizes[:rank]), sum(sizes[:rank + 1])
+
+
+def rank_slice_proportional(rank, world_size, n):
+    # Balanced (sizes differ by at most one) and right whenever world_size divides n; but the
+    # extra items land on the wrong ranks.
+    return rank * n // world_size, (rank + 1) * n // world_size
 
 
 def stub(*args):
     raise NotImplementedError("exercise: replace this line with your code")
 
 
-def test_check_rank_slice(capsys):
-    ch01.check_rank_slice(rank_slice)
-    assert "✅" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match=r"rank=0, world_size=2, n=1\).*expected 1, got 0"):
-        ch01.check_rank_slice(rank_slice_extra_to_last)
-    with pytest.raises(CheckFailed, match=r"world_size=2, n=1\).*element \[1\]: expected 1, got 0"):
-        ch01.check_rank_slice(rank_slice_drops_remainder)
-    with pytest.raises(CheckFailed, match="pair of ints"):
-        ch01.check_rank_slice(lambda rank, world_size, n: [0.0, 1.0])
+def test_rank_slice_battery():
+    said = battery(ch01.check_rank_slice, correct=[rank_slice], different=[rank_slice_by_counting],
+                   wrong=[rank_slice_extra_to_last],
+                   cheat=[rank_slice_tensor_split, ch01.reference_slice],
+                   decoy=[rank_slice_proportional])
+    assert "library's splitter" in said["cheat"][0]
+    assert "course's own reference_slice" in said["cheat"][1]
     with pytest.raises(NotImplementedError, match="is not written yet"):
         ch01.check_rank_slice(stub)
 
@@ -154,81 +168,6 @@ def share_config(rank, world_size, store, config):
     return json.loads(store.get("config"))
 
 
-def share_config_without_waiting(rank, world_size, store, config):
-    if rank == 0:
-        store.set("config", json.dumps(config))
-        return config
-    # check() does not wait: rank 0 has not published yet, so this rank gives up
-    return json.loads(store.get("config")) if store.check(["config"]) else None
-
-
-def test_check_share_config(capsys):
-    # The full set of world sizes runs in solutions/01 (nbval); here the ones that tell.
-    ch01.check_share_config(share_config, world_sizes=(1, 2))
-    assert "✅" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match=r"world_size=2: rank 1 returned None, but rank 0's config was \{"):
-        ch01.check_share_config(share_config_without_waiting, world_sizes=(2,))
-    with pytest.raises(NotImplementedError, match="is not written yet"):
-        ch01.check_share_config(stub)
-
-
-def broadcast_config(rank, world_size, config):
-    box = [config]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def test_check_broadcast_config(capsys):
-    ch01.check_broadcast_config(broadcast_config)
-    assert "✅" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match=r"world_size=2: rank 1 returned None"):
-        ch01.check_broadcast_config(lambda rank, world_size, config: config)
-
-
-def group_sum(rank, world_size, group_size):
-    mine = None
-    for first in range(0, world_size, group_size):
-        ranks = list(range(first, min(first + group_size, world_size)))
-        group = dist.new_group(ranks)      # every rank creates every group, in the same order
-        if rank in ranks:
-            mine = group
-    t = torch.tensor([float(rank + 1) ** 2])
-    dist.all_reduce(t, group=mine)
-    return t.item()
-
-
-def group_sum_whole_world(rank, world_size, group_size):
-    t = torch.tensor([float(rank + 1) ** 2])
-    dist.all_reduce(t)
-    return t.item()
-
-
-def test_check_group_sum(capsys):
-    ch01.check_group_sum(group_sum, cases=((7, 3), (3, 3)))
-    assert "✅" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match=r"world_size=4, group_size=2, rank 0: "
-                                          r"expected 5, got 30"):
-        ch01.check_group_sum(group_sum_whole_world, cases=((4, 2),))
-    with pytest.raises(NotImplementedError, match="is not written yet"):
-        ch01.check_group_sum(stub)
-
-
-# ---- structure and cheats (issue 14) --------------------------------------------------------------
-
-def rank_slice_tensor_split(rank, world_size, n):
-    # Differently written: torch.tensor_split's own chunks.
-    sizes = [len(c) for c in torch.arange(n).tensor_split(world_size)]
-    return sum(sizes[:rank]), sum(sizes[:rank + 1])
-
-
-def test_check_rank_slice_written_otherwise_and_the_cheat(capsys):
-    ch01.check_rank_slice(rank_slice_tensor_split)
-    assert "✅" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="course's own reference_slice; the exercise is to "
-                                          "compute the slice yourself"):
-        ch01.check_rank_slice(ch01.reference_slice)
-
-
 def share_config_with_wait(rank, world_size, store, config):
     # Differently written: bytes, and an explicit wait before the get.
     if rank == 0:
@@ -237,70 +176,224 @@ def share_config_with_wait(rank, world_size, store, config):
     return json.loads(store.get("cfg").decode())
 
 
-def test_check_share_config_written_otherwise_and_the_cheat(capsys):
-    ch01.check_share_config(share_config_with_wait, world_sizes=(3,))
-    assert "✅" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="course's own config_for"):
-        ch01.check_share_config(lambda rank, world_size, store, config: ch01.config_for(world_size),
-                                world_sizes=(2,))
+def share_config_without_waiting(rank, world_size, store, config):
+    if rank == 0:
+        store.set("config", json.dumps(config))
+        return config
+    # check() does not wait: rank 0 has not published yet, so this rank gives up
+    return json.loads(store.get("config")) if store.check(["config"]) else None
 
 
-def broadcast_config_gathered(rank, world_size, config):
-    # Differently written: every rank gathers every rank's object and keeps rank 0's.
-    from torch.distributed import all_gather_object
-    every = [None] * world_size
-    all_gather_object(every, config)
-    return every[0]
+def share_config_drawn_again(rank, world_size, store, config):
+    return ch01.draw_config(world_size, 0)
+
+
+def share_config_read_once(rank, world_size, store, config):
+    # Treats the key as a message consumed by its reader: right with one reader (two ranks),
+    # a hang as soon as a second rank comes to read.
+    if rank == 0:
+        store.set("config", json.dumps(config))
+        return config
+    got = json.loads(store.get("config"))
+    store.delete_key("config")
+    return got
+
+
+def test_share_config_battery():
+    said = battery(ch01.check_share_config, correct=[share_config],
+                   different=[share_config_with_wait], wrong=[share_config_without_waiting],
+                   cheat=[share_config_drawn_again], decoy=[share_config_read_once],
+                   call=lambda check, fn: check(fn, world_sizes=(3,)))
+    assert "course's own draw_config" in said["cheat"][0]
+    assert "world_size=3" in said["decoy"][0]
+
+
+def broadcast_config(rank, world_size, config):
+    data = json.dumps(config).encode() if rank == 0 else b""
+    length = torch.tensor([len(data)])
+    dist.broadcast(length, src=0)
+    payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0
+               else torch.empty(int(length), dtype=torch.uint8))
+    dist.broadcast(payload, src=0)
+    return json.loads(bytes(payload.tolist()))
 
 
 def broadcast_config_by_messages(rank, world_size, config):
-    # Right answer, wrong structure: rank 0 sends it to each rank in turn.
-    box = [config]
+    # Differently written: rank 0 sends the length and the bytes to each rank in turn.
+    import pickle
     if rank == 0:
+        data = torch.tensor(list(pickle.dumps(config)), dtype=torch.uint8)
         for r in range(1, world_size):
-            dist.send_object_list(box, dst=r)
-    else:
-        dist.recv_object_list(box, src=0)
+            dist.send(torch.tensor([data.numel()]), dst=r)
+            dist.send(data, dst=r)
+        return config
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, src=0)
+    data = torch.empty(int(n), dtype=torch.uint8)
+    dist.recv(data, src=0)
+    return pickle.loads(bytes(data.tolist()))
+
+
+def broadcast_config_object_list(rank, world_size, config):
+    box = [config]
+    dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def test_check_broadcast_config_structure(capsys):
-    ch01.check_broadcast_config(broadcast_config_gathered, world_sizes=(3,))
-    assert "✅" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match=r"world_size=2: rank 1 got the config, but rank 0 sent "
-                                          r"it in 2 point-to-point messages; the exercise is one "
-                                          r"collective"):
-        ch01.check_broadcast_config(broadcast_config_by_messages, world_sizes=(2,))
-    with pytest.raises(CheckFailed, match="course's own config_for"):
-        ch01.check_broadcast_config(lambda rank, world_size, config: ch01.config_for(world_size),
-                                    world_sizes=(2,))
+def broadcast_config_own(rank, world_size, config):
+    return config
 
 
-def group_sum_by_enumeration(rank, world_size, group_size):
-    # Differently written: new_subgroups_by_enumeration, an imported all_reduce, ReduceOp.SUM.
-    from torch.distributed import ReduceOp, all_reduce
-    blocks = [list(range(f, min(f + group_size, world_size)))
-              for f in range(0, world_size, group_size)]
-    mine, _ = dist.new_subgroups_by_enumeration(blocks)
-    t = torch.tensor([float(rank + 1) ** 2])
-    all_reduce(t, op=ReduceOp.SUM, group=mine)
+def broadcast_config_fixed_buffer(rank, world_size, config):
+    # A buffer of a guessed size: right for every small config, wrong for a long one.
+    buffer = torch.zeros(4096, dtype=torch.uint8)
+    if rank == 0:
+        data = json.dumps(config).encode()[:4096]
+        buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buffer, src=0)
+    text = bytes(buffer.tolist()).rstrip(b"\0").decode(errors="replace")
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def test_broadcast_config_battery():
+    said = battery(ch01.check_broadcast_config, correct=[broadcast_config],
+                   different=[broadcast_config_by_messages], wrong=[broadcast_config_own],
+                   cheat=[broadcast_config_object_list], decoy=[broadcast_config_fixed_buffer],
+                   call=lambda check, fn: check(fn, world_sizes=(2, 3)))
+    assert "dist.broadcast_object_list" in said["cheat"][0]
+    assert "world_size=3" in said["decoy"][0]
+
+
+def block_sum(rank, world_size, group_size, value):
+    mine = None
+    for first in range(0, world_size, group_size):
+        ranks = list(range(first, min(first + group_size, world_size)))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t, group=mine)
     return t.item()
 
 
-def group_sum_gathered(rank, world_size, group_size):
-    # Right answer, wrong structure: every rank gathers the whole world and adds its block.
-    values = [torch.zeros(1) for _ in range(world_size)]
-    dist.all_gather(values, torch.tensor([float(rank + 1) ** 2]))
-    first = rank // group_size * group_size
-    return sum(v.item() for v in values[first:first + group_size])
+def block_sum_by_enumeration(rank, world_size, group_size, value):
+    # Differently written: new_subgroups_by_enumeration and an all_gather inside the block.
+    blocks = [list(range(f, min(f + group_size, world_size)))
+              for f in range(0, world_size, group_size)]
+    mine, _ = dist.new_subgroups_by_enumeration(blocks)
+    size = dist.get_world_size(mine)
+    every = [torch.zeros(1) for _ in range(size)]
+    dist.all_gather(every, torch.tensor([float(value)]), group=mine)
+    return sum(t.item() for t in every)
 
 
-def test_check_group_sum_structure(capsys):
-    ch01.check_group_sum(group_sum_by_enumeration, cases=((5, 2),))
-    assert "✅" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match=r"world_size=4, group_size=2: rank 0's block is ranks "
-                                          r"\[0, 1\], but its all_gather ran over ranks "
-                                          r"\[0, 1, 2, 3\]; make a group of exactly the block"):
-        ch01.check_group_sum(group_sum_gathered, cases=((4, 2),))
-    with pytest.raises(CheckFailed, match="course's own reference_group_sum"):
-        ch01.check_group_sum(ch01.reference_group_sum, cases=((4, 2),))
+def block_sum_strided(rank, world_size, group_size, value):
+    # Blocks of every n-th rank instead of consecutive ranks.
+    n_blocks = -(-world_size // group_size)
+    groups = [dist.new_group(list(range(b, world_size, n_blocks))) for b in range(n_blocks)]
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t, group=groups[rank % n_blocks])
+    return t.item()
+
+
+def block_sum_reference(rank, world_size, group_size, value):
+    return ch01.reference_slice(rank, world_size, group_size)[0] + value
+
+
+def block_sum_over_the_world(rank, world_size, group_size, value):
+    # The right numbers from one all_reduce over every rank: each rank's value in its block's
+    # slot. Every value went to every rank.
+    n_blocks = -(-world_size // group_size)
+    slots = torch.zeros(n_blocks)
+    slots[rank // group_size] = value
+    dist.all_reduce(slots)
+    return slots[rank // group_size].item()
+
+
+def test_block_sum_battery():
+    said = battery(ch01.check_block_sum, correct=[block_sum], different=[block_sum_by_enumeration],
+                   wrong=[block_sum_strided], cheat=[block_sum_reference],
+                   decoy=[block_sum_over_the_world],
+                   call=lambda check, fn: check(fn, cases=((3, 2), (5, 2))))
+    assert "ran over ranks [0, 1, 2]" in said["decoy"][0]
+    assert "checker's own reference_slice" in said["cheat"][0]
+
+
+def train(folder, steps, step):
+    import os
+    dist.init_process_group("gloo")
+    path = os.path.join(folder, "checkpoint.pt")
+    state, start = torch.zeros(4), 0
+    if os.path.exists(path):
+        saved = torch.load(path)
+        state, start = saved["state"], saved["next_step"]
+    for i in range(start, steps):
+        state = step(state, i)
+        if dist.get_rank() == 0:
+            torch.save({"state": state, "next_step": i + 1}, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        dist.barrier()
+    dist.destroy_process_group()
+    return state
+
+
+def train_every_other_step(folder, steps, step):
+    # Differently written: json, a checkpoint every second step, the restart count read.
+    import os
+    dist.init_process_group(backend="gloo", init_method="env://")
+    path = os.path.join(folder, "ckpt.json")
+    state, start = torch.zeros(4, dtype=torch.float64), 0
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        with open(path) as f:
+            saved = json.load(f)
+        state, start = torch.tensor(saved["state"], dtype=torch.float64), saved["step"]
+    for i in range(start, steps):
+        state = step(state, i)
+        if i % 2 == 1 and dist.get_rank() == 0:
+            with open(path + ".tmp", "w") as f:
+                json.dump({"state": state.tolist(), "step": i + 1}, f)
+            os.replace(path + ".tmp", path)
+        dist.barrier()
+    return state
+
+
+def train_skips_a_step(folder, steps, step):
+    import os
+    dist.init_process_group("gloo")
+    path = os.path.join(folder, "checkpoint.pt")
+    state, start = torch.zeros(4), 0
+    if os.path.exists(path):
+        saved = torch.load(path)
+        state, start = saved["state"], saved["next_step"] + 1
+    for i in range(start, steps):
+        state = step(state, i)
+        if dist.get_rank() == 0:
+            torch.save({"state": state, "next_step": i + 1}, path)
+        dist.barrier()
+    return state
+
+
+def train_from_the_reference(folder, steps, step):
+    return ch01._reference_training([], steps)
+
+
+def train_from_scratch(folder, steps, step):
+    # Ends with the right state after the restart, by running every step again.
+    dist.init_process_group("gloo")
+    state = torch.zeros(4)
+    for i in range(steps):
+        state = step(state, i)
+    return state
+
+
+def test_resumable_training_battery():
+    said = battery(ch01.check_resumable_training, correct=[train],
+                   different=[train_every_other_step], wrong=[train_skips_a_step],
+                   cheat=[train_from_the_reference], decoy=[train_from_scratch],
+                   call=lambda check, fn: check(fn, cases=((3, 5, 2),)))
+    assert "began again at step 0" in said["decoy"][0]
+    assert "own _reference_training" in said["cheat"][0]
+    assert "step 2 never completed" in said["wrong"][0]

@@ -10,6 +10,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import distlab  # noqa: E402
+from checker_battery import battery  # noqa: E402
 from distlab.checks import CheckFailed, ch02  # noqa: E402
 from distlab.viz import collectives as viz  # noqa: E402
 
@@ -112,280 +113,303 @@ def test_timeline_draws_a_barrier_run():
     plt.close(fig)
 
 
-# ---- checkers ------------------------------------------------------------------------------------
+# ---- the workbook's checkers, through the battery (tests/checker_battery.py) ---------------------
 
-def predict_reduce_scatter(inputs):
-    total = torch.stack(inputs).sum(0)
-    return list(total.chunk(len(inputs)))
-
-
-def predict_all_to_all(inputs):
-    ws = len(inputs)
-    chunks = [t.chunk(ws) for t in inputs]
-    return [torch.cat([chunks[src][dst] for src in range(ws)]) for dst in range(ws)]
+def stub(*args):
+    raise NotImplementedError("exercise: replace this line with your code")
 
 
-def all_gather_uneven(tensor):
-    ws = dist.get_world_size()
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(ws)]
-    dist.all_gather(sizes, torch.tensor([tensor.numel()]))
+def predict_dispatch(tokens, dest):
+    return [torch.cat([t[d == r] for t, d in zip(tokens, dest)]) for r in range(len(tokens))]
+
+
+def predict_dispatch_by_sorting(tokens, dest):
+    # Differently written: sort each sender's tokens by destination, split by counts, regroup.
+    n = len(tokens)
+    pieces = []
+    for t, d in zip(tokens, dest):
+        order = torch.argsort(d, stable=True)
+        pieces.append(t[order].split(torch.bincount(d, minlength=n).tolist()))
+    return [torch.cat([pieces[i][r] for i in range(n)]) for r in range(n)]
+
+
+def predict_dispatch_by_destination_order(tokens, dest):
+    # Receives the right tokens, but sorted by value instead of by sender, then sender order.
+    n = len(tokens)
+    return [torch.sort(torch.cat([t[d == r] for t, d in zip(tokens, dest)]), descending=True)
+            .values for r in range(n)]
+
+
+def predict_dispatch_from_the_real_run(tokens, dest):
+    case = next(c for c in ch02.DISPATCH_CASES
+                if c[0] == len(tokens) and list(c[1]) == [len(t) for t in tokens])
+    return ch02.real_dispatch(len(tokens))[case]
+
+
+def predict_dispatch_equal_chunks(tokens, dest):
+    # Right when every sender holds its tokens sorted, the same number for every rank.
+    n = len(tokens)
+    return [torch.cat([t.chunk(n)[r] if len(t) >= n else t[:0] for t in tokens])
+            for r in range(n)]
+
+
+def test_predict_dispatch_battery():
+    said = battery(ch02.check_predict_dispatch, correct=[predict_dispatch],
+                   different=[predict_dispatch_by_sorting],
+                   wrong=[predict_dispatch_by_destination_order],
+                   cheat=[predict_dispatch_from_the_real_run],
+                   decoy=[predict_dispatch_equal_chunks])
+    assert "course's own real_dispatch" in said["cheat"][0]
+    assert "(sorted)" not in said["decoy"][0]        # right on the sorted, even cases
+    with pytest.raises(NotImplementedError, match="is not written yet"):
+        ch02.check_predict_dispatch(stub)
+
+
+def test_the_dispatch_cases_are_what_they_say():
+    for case in ch02.DISPATCH_CASES:
+        tokens, dest = ch02.dispatch_inputs(case)
+        assert [len(t) for t in tokens] == list(case[1])
+        assert all(d.numel() == 0 or int(d.max()) < case[0] for d in dest)
+    received = ch02.real_dispatch(4)[(4, (6, 3, 5, 4), "skewed")]
+    assert received[2].numel() == 0 and received[3].numel() > 9
+
+
+def reduce_scatter_from_all_to_all(x, group):
+    n = dist.get_world_size(group)
+    received = torch.empty_like(x)
+    dist.all_to_all_single(received, x, group=group)
+    return received.view(n, -1).sum(0)
+
+
+def reduce_scatter_by_messages(x, group):
+    # Differently written: the all-to-all's own messages, as one batch of isend/irecv.
+    ranks = dist.get_process_group_ranks(group)
+    me = ranks.index(dist.get_rank())
+    chunks = list(x.chunk(len(ranks)))
+    inbox = [torch.empty_like(chunks[me]) for _ in ranks]
+    ops = []
+    for k, peer in enumerate(ranks):
+        if k == me:
+            inbox[k] = chunks[me].clone()
+            continue
+        ops += [dist.P2POp(dist.isend, chunks[k].contiguous(), peer),
+                dist.P2POp(dist.irecv, inbox[k], peer)]
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return sum(inbox)
+
+
+def reduce_scatter_forgets_the_group_size(x, group):
+    received = torch.empty_like(x)
+    dist.all_to_all_single(received, x, group=group)
+    return received.view(dist.get_world_size(), -1).sum(0) if len(x) % dist.get_world_size() == 0 \
+        else received.view(1, -1).sum(0)
+
+
+def reduce_scatter_itself(x, group):
+    out = torch.empty(x.numel() // dist.get_world_size(group))
+    dist.reduce_scatter_single(out, x, group=group)
+    return out
+
+
+def reduce_scatter_everything_everywhere(x, group):
+    # Right values from all_to_all alone, but every rank sends its whole x to every member.
+    n = dist.get_world_size(group)
+    received = torch.empty(n * x.numel())
+    dist.all_to_all_single(received, x.repeat(n), group=group)
+    me = dist.get_process_group_ranks(group).index(dist.get_rank())
+    return received.view(n, -1).sum(0).chunk(n)[me]
+
+
+def test_reduce_scatter_from_all_to_all_battery():
+    said = battery(ch02.check_reduce_scatter_from_all_to_all,
+                   correct=[reduce_scatter_from_all_to_all], different=[reduce_scatter_by_messages],
+                   wrong=[reduce_scatter_forgets_the_group_size], cheat=[reduce_scatter_itself],
+                   decoy=[reduce_scatter_everything_everywhere])
+    assert "called reduce_scatter" in said["cheat"][0]
+    assert "bytes on the wire" in said["decoy"][0]
+
+
+def all_gather_uneven(tensor, group):
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([tensor.numel()]), group=group)
     longest = max(int(s) for s in sizes)
     padded = torch.zeros(longest, dtype=tensor.dtype)
     padded[:tensor.numel()] = tensor
-    out = [torch.empty_like(padded) for _ in range(ws)]
-    dist.all_gather(out, padded)
+    out = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(out, padded, group=group)
     return [o[:int(s)] for o, s in zip(out, sizes)]
 
 
-@pytest.mark.parametrize("ws", WORLD_SIZES)
-def test_the_answer_key_equals_the_real_collectives(ws):
-    inputs = ch02._inputs(ws, 2 * ws, seed=0)
-    for collective, predict in (("reduce_scatter", predict_reduce_scatter),
-                                ("all_to_all", predict_all_to_all)):
-        real = ch02.real(collective, inputs)
-        for got, want in zip(predict(inputs), real):
-            assert torch.equal(got, want)
-
-
-def test_checkers_pass_right_answers(capsys):
-    ch02.check_predict_reduce_scatter(predict_reduce_scatter)
-    ch02.check_all_gather_uneven(all_gather_uneven)
-    assert capsys.readouterr().out.count("✅") == 2
-
-
-def test_a_wrong_prediction_names_world_size_rank_and_element():
-    def all_reduce_instead(inputs):  # forgets the scatter: every rank gets the whole sum
-        return [torch.stack(inputs).sum(0) for _ in inputs]
-
-    with pytest.raises(CheckFailed,
-                       match=r"world_size=2 .*rank 0.*expected shape \(1,\), got \(2,\)"):
-        ch02.check_predict_reduce_scatter(all_reduce_instead)
-
-    with pytest.raises(CheckFailed, match="expected 2 items, got 1"):
-        ch02.check_predict_reduce_scatter(lambda inputs: [inputs[0]])
-
-
-def test_all_gather_uneven_without_trimming_is_caught():
-    def untrimmed(tensor):
-        ws = dist.get_world_size()
-        padded = torch.zeros(8)
-        padded[:tensor.numel()] = tensor
-        out = [torch.empty(8) for _ in range(ws)]
-        dist.all_gather(out, padded)
-        return out
-
-    with pytest.raises(CheckFailed, match=r"world_size=2 \(lengths .*\), rank 0.*\[0\].*"
-                                          r"expected shape"):
-        ch02.check_all_gather_uneven(untrimmed)
-
-
-def test_a_crashing_all_gather_is_reported_in_one_sentence(monkeypatch):
-    def plain_all_gather(tensor):  # gloo refuses pieces of different lengths
-        pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-        dist.all_gather(pieces, tensor)
-        return pieces
-
-    # gloo either crashes or hangs on uneven pieces; either way one sentence comes back.
-    distlab.run(lambda rank, world_size: None, 2)  # the forkserver is up: the limit is all hang
-    monkeypatch.setattr(ch02, "TIMEOUT", 4)
-    with pytest.raises(CheckFailed, match=r"world_size=2 \(lengths 2, 0\) (failed|hung): "
-                                          r".*same shapes on every rank"):
-        ch02.check_all_gather_uneven(plain_all_gather)
-
-
-def test_calling_the_checkers_own_answer_key_is_refused():
-    def ask_the_checker(inputs):
-        return ch02.real("reduce_scatter", inputs)
-
-    with pytest.raises(CheckFailed, match=r"your function called the course's own real; the "
-                                          r"exercise is to predict what reduce_scatter gives"):
-        ch02.check_predict_reduce_scatter(ask_the_checker)
-
-    def gather_via_checker(tensor):
-        ch02._real_all_to_all(dist.get_rank(), dist.get_world_size(), [tensor])
-        return [tensor]
-
-    with pytest.raises(CheckFailed, match=r"own _real_all_to_all; the exercise is to write the "
-                                          r"uneven all-gather yourself"):
-        ch02.check_all_gather_uneven(gather_via_checker)
-
-
-def test_differently_written_answers_pass(capsys):
-    def predict_by_loops(inputs):            # element by element, no chunk()
-        ws, per = len(inputs), len(inputs[0]) // len(inputs)
-        return [torch.tensor([sum(float(t[r * per + i]) for t in inputs) for i in range(per)])
-                for r in range(ws)]
-
-    def gather_padded_by_hand(tensor):       # lengths as a tensor of all ranks, then one pad
-        n = dist.get_world_size()
-        lengths = torch.zeros(n, dtype=torch.long)
-        lengths[dist.get_rank()] = tensor.numel()
-        dist.all_reduce(lengths)
-        padded = torch.cat([tensor, tensor.new_zeros(int(lengths.max()) - tensor.numel())])
-        pieces = [torch.empty_like(padded) for _ in range(n)]
-        dist.all_gather(pieces, padded)
-        return [p[:int(k)] for p, k in zip(pieces, lengths)]
-
-    ch02.check_predict_reduce_scatter(predict_by_loops)
-    ch02.check_all_gather_uneven(gather_padded_by_hand)
-    assert capsys.readouterr().out.count("✅") == 2
-
-
-@pytest.mark.parametrize("collective", ["all_gather_object", "gather_then_broadcast"])
-def test_the_uneven_gather_refuses_object_collectives(collective):
-    def gather_objects(tensor):              # the pickling route: the exercise's work done for it
-        out = [None] * dist.get_world_size()
-        if collective == "all_gather_object":
-            from torch.distributed import all_gather_object
-            all_gather_object(out, tensor)
-        else:
-            dist.gather_object(tensor, out if dist.get_rank() == 0 else None, dst=0)
-            dist.broadcast_object_list(out, src=0)
-        return out
-
-    with pytest.raises(CheckFailed, match=r"your function used dist\.(all_gather|gather)_object, "
-                                          r"which pickles each tensor"):
-        ch02.check_all_gather_uneven(gather_objects)
-    # and the object collectives work again afterwards, outside the check
-    assert distlab.run(lambda rank, ws: _gathered_objects(ws), 2)[0] == [0, 1]
-
-
-def _gathered_objects(ws):
-    out = [None] * ws
-    dist.all_gather_object(out, dist.get_rank())
+def all_gather_uneven_by_broadcasts(tensor, group):
+    # Differently written: each member broadcasts its length, then its tensor, in turn.
+    out = []
+    for src in dist.get_process_group_ranks(group):
+        mine = src == dist.get_rank()
+        n = torch.tensor([tensor.numel() if mine else 0])
+        dist.broadcast(n, src=src, group=group)
+        piece = tensor.clone() if mine else torch.empty(int(n), dtype=tensor.dtype)
+        dist.broadcast(piece, src=src, group=group)
+        out.append(piece)
     return out
 
 
-def test_stubs_give_one_line_not_implemented():
-    def stub(*args):
-        raise NotImplementedError("exercise: replace this line with your code")
-
-    for check in (ch02.check_predict_reduce_scatter, ch02.check_reduce_scatter_from_all_to_all,
-                  ch02.check_all_gather_uneven, ch02.check_broadcast_with_grad):
-        with pytest.raises(NotImplementedError, match="is not written yet"):
-            check(stub)
+def all_gather_uneven_untrimmed(tensor, group):
+    return [piece for piece in _padded_pieces(tensor, group)]
 
 
-# ---- exercise 2: reduce_scatter from all_to_all -------------------------------------------------
-
-def reduce_scatter_by_list_all_to_all(x):
-    # Differently written: the list form of all_to_all, then a stack and a sum.
-    ws = dist.get_world_size()
-    received = [torch.empty(x.numel() // ws) for _ in range(ws)]
-    dist.all_to_all(received, list(x.chunk(ws)))
-    return torch.stack(received).sum(0)
-
-
-def reduce_scatter_by_all_gather(x):
-    # Right values, wrong structure: every rank gathers every whole tensor and adds its chunk.
-    ws = dist.get_world_size()
-    every = [torch.empty_like(x) for _ in range(ws)]
-    dist.all_gather(every, x)
-    return torch.stack(every).sum(0).chunk(ws)[dist.get_rank()]
-
-
-def reduce_scatter_itself(x):
-    # The cheat: the collective the exercise is to build.
-    out = torch.empty(x.numel() // dist.get_world_size())
-    dist.reduce_scatter_single(out, x)
+def _padded_pieces(tensor, group):
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([tensor.numel()]), group=group)
+    padded = torch.zeros(max(int(s) for s in sizes))
+    padded[:tensor.numel()] = tensor
+    out = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(out, padded, group=group)
     return out
 
 
-def reduce_scatter_by_the_ring(x):
-    from distlab.collectives import ring_reduce_scatter
-    return ring_reduce_scatter(x)
+def all_gather_uneven_objects(tensor, group):
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, tensor, group=group)
+    return every
 
 
-def reduce_scatter_keeping_the_wrong_chunk(x):
-    # Wrong: all_to_all, then the sum of the received chunks... of the chunk it sent itself.
+def all_gather_uneven_world(tensor, group):
+    # Right shapes and lengths, but gathers every rank of the world and keeps the group's.
     ws = dist.get_world_size()
-    received = torch.empty_like(x)
-    dist.all_to_all_single(received, x)
-    return x.view(ws, -1).sum(0)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(ws)]
+    dist.all_gather(sizes, torch.tensor([tensor.numel()]))
+    padded = torch.zeros(max(int(s) for s in sizes))
+    padded[:tensor.numel()] = tensor
+    out = [torch.empty_like(padded) for _ in range(ws)]
+    dist.all_gather(out, padded)
+    return [out[r][:int(sizes[r])] for r in dist.get_process_group_ranks(group)]
 
 
-def test_reduce_scatter_from_all_to_all(capsys, monkeypatch):
-    monkeypatch.setattr(ch02, "WORLD_SIZES", (3,))
-    ch02.check_reduce_scatter_from_all_to_all(reduce_scatter_by_list_all_to_all)
-    assert "✅ reduce_scatter_by_list_all_to_all gives what reduce_scatter" in \
-        capsys.readouterr().out
-    with pytest.raises(CheckFailed, match=r"world_size=3: the values are right, but rank 0 called "
-                                          r"all_gather; the exercise is to build reduce_scatter "
-                                          r"from all_to_all and local sums only"):
-        ch02.check_reduce_scatter_from_all_to_all(reduce_scatter_by_all_gather)
-    with pytest.raises(CheckFailed, match=r"rank 0 called reduce_scatter itself"):
-        ch02.check_reduce_scatter_from_all_to_all(reduce_scatter_itself)
-    with pytest.raises(CheckFailed, match=r"course's own ring_reduce_scatter; the exercise is to "
-                                          r"build reduce_scatter from all_to_all yourself"):
-        ch02.check_reduce_scatter_from_all_to_all(reduce_scatter_by_the_ring)
-    with pytest.raises(CheckFailed, match=r"world_size=3 and 1 element\(s\) per chunk, rank 0, "
-                                          r"element \[0\]: expected "):
-        ch02.check_reduce_scatter_from_all_to_all(reduce_scatter_keeping_the_wrong_chunk)
+def test_all_gather_uneven_battery():
+    said = battery(ch02.check_all_gather_uneven, correct=[all_gather_uneven],
+                   different=[all_gather_uneven_by_broadcasts],
+                   wrong=[all_gather_uneven_untrimmed], cheat=[all_gather_uneven_objects],
+                   decoy=[all_gather_uneven_world])
+    assert "dist.all_gather_object" in said["cheat"][0]
+    assert "ran over ranks [0, 1, 2, 3]" in said["decoy"][0]
 
 
-# ---- exercise 4: a broadcast that autograd sees -------------------------------------------------
-
-class _BroadcastAllReduceBackward(torch.autograd.Function):
-    # Differently written: backward all-reduces (more bytes than a reduce, the same values on
-    # the source) and masks the other ranks with a multiplication.
-    @staticmethod
-    def forward(ctx, x, src):
-        ctx.src = src
-        out = torch.empty_like(x).copy_(x)
-        dist.broadcast(out, src)
+def test_a_refused_uneven_gather_is_one_sentence():
+    # gloo refuses or loses the connection: either way one sentence, without the C++ file name.
+    def naive(tensor, group):
+        out = [torch.empty(tensor.numel()) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, tensor, group=group)
         return out
+    with pytest.raises(CheckFailed, match=r"failed: .*same shapes on every rank") as e:
+        ch02.check_all_gather_uneven(naive)
+    assert "\n" not in str(e.value) and ".cc" not in str(e.value)
 
+
+class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        dist.all_reduce(g)
-        return g * float(dist.get_rank() == ctx.src), None
-
-
-def broadcast_all_reduce_backward(x, src):
-    return _BroadcastAllReduceBackward.apply(x, src)
-
-
-def broadcast_in_place(x, src):
-    # The chapter's trap: dist.broadcast outside autograd's graph.
-    y = x.detach().clone()
-    dist.broadcast(y, src=src)
-    return y
-
-
-class _BroadcastLocalBackward(torch.autograd.Function):
-    # Wrong structure: forward right, backward keeps each rank's own gradient.
-    @staticmethod
-    def forward(ctx, x, src):
+    def forward(ctx, x, src, group):
+        ctx.src, ctx.group = src, group
         y = x.clone()
-        dist.broadcast(y, src=src)
+        dist.broadcast(y, src=src, group=group)
         return y
 
     @staticmethod
-    def backward(ctx, g):
-        return g, None
+    def backward(ctx, grad):
+        s = grad.contiguous().clone()
+        dist.reduce(s, dst=ctx.src, group=ctx.group)
+        if dist.get_rank() != ctx.src:
+            s.zero_()
+        return s, None, None
 
 
-def broadcast_local_backward(x, src):
-    return _BroadcastLocalBackward.apply(x, src)
+def broadcast_with_grad(x, src, group):
+    return _Broadcast.apply(x, src, group)
 
 
-def broadcast_by_torch(x, src):
+class _ByAllReduce(torch.autograd.Function):
+    # Differently written: forward is an all_reduce of x (zeros off the source), backward an
+    # all_reduce of the gradients kept on the source only.
+    @staticmethod
+    def forward(ctx, x, src, group):
+        ctx.src, ctx.group = src, group
+        y = x.clone() if dist.get_rank() == src else torch.zeros_like(x)
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        s = grad.clone()
+        dist.all_reduce(s, group=ctx.group)
+        return (s if dist.get_rank() == ctx.src else torch.zeros_like(s)), None, None
+
+
+def broadcast_by_all_reduce(x, src, group):
+    return _ByAllReduce.apply(x, src, group)
+
+
+class _IdentityBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src, group):
+        y = x.clone()
+        dist.broadcast(y, src=src, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def broadcast_identity_backward(x, src, group):
+    return _IdentityBackward.apply(x, src, group)
+
+
+def broadcast_torchs(x, src, group):
     import torch.distributed.nn.functional as F
-    return F.broadcast(x, src)
+    return F.broadcast(x, src, group=group)
 
 
-def test_broadcast_with_grad(capsys, monkeypatch):
-    monkeypatch.setattr(ch02, "BROADCAST_CASES", ((3, 1),))
-    ch02.check_broadcast_with_grad(broadcast_all_reduce_backward)
-    assert "✅ broadcast_all_reduce_backward broadcasts" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match=r"world_size=3, src=1: rank 0's result does not require "
-                                          r"grad, so autograd cannot reach x"):
-        ch02.check_broadcast_with_grad(broadcast_in_place)
-    with pytest.raises(CheckFailed, match=r"world_size=3, src=1, rank 0's x.grad \(should be "
-                                          r"zeros: only rank 1's x reached the result\), element "
-                                          r"\[0\]: expected 0, got 1"):
-        ch02.check_broadcast_with_grad(broadcast_local_backward)
-    with pytest.raises(CheckFailed, match=r"course's own broadcast; the exercise is to write the "
-                                          r"broadcast's backward yourself"):
-        ch02.check_broadcast_with_grad(broadcast_by_torch)
+class _AllReduceBackward(torch.autograd.Function):
+    # Right result and right gradient on the source; but every member keeps the summed gradient.
+    @staticmethod
+    def forward(ctx, x, src, group):
+        ctx.group = group
+        y = x.clone()
+        dist.broadcast(y, src=src, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        s = grad.clone()
+        dist.all_reduce(s, group=ctx.group)
+        return s, None, None
+
+
+def broadcast_all_reduce_backward(x, src, group):
+    return _AllReduceBackward.apply(x, src, group)
+
+
+def test_broadcast_with_grad_battery():
+    said = battery(ch02.check_broadcast_with_grad, correct=[broadcast_with_grad],
+                   different=[broadcast_by_all_reduce], wrong=[broadcast_identity_backward],
+                   cheat=[broadcast_torchs], decoy=[broadcast_all_reduce_backward])
+    assert "course's own broadcast" in said["cheat"][0]
+    assert "should be zeros" in said["decoy"][0]
+
+
+def test_a_plain_broadcast_is_told_to_become_a_function():
+    def plain(x, src, group):
+        y = x.detach().clone()
+        dist.broadcast(y, src=src, group=group)
+        return y
+    with pytest.raises(CheckFailed, match="does not require grad.*torch.autograd.Function"):
+        ch02.check_broadcast_with_grad(plain)
+
+
+def test_stubs_give_one_line_not_implemented():
+    for check in (ch02.check_reduce_scatter_from_all_to_all, ch02.check_all_gather_uneven,
+                  ch02.check_broadcast_with_grad):
+        with pytest.raises(NotImplementedError, match="is not written yet"):
+            check(stub)

@@ -23,7 +23,9 @@ def rendezvous_sequence(world_size=3, host="rank 0's process", ax=None):
         ("6. collectives", "data flows rank to rank"),
     ]
     gap = 0.22                                  # between one rank's message and the next
-    heights = [gap * world_size + 0.35] * 4 + [0.7, 0.7]
+    pairs = [(a, b) for a in range(world_size) for b in range(a + 1, world_size)]
+    # Steps 5 and 6 draw one row per pair of ranks, so no line runs along another.
+    heights = [gap * world_size + 0.35] * 4 + [gap * max(len(pairs), 1) + 0.35] * 2
     top = 0.0
     bottom = top - sum(heights) - 0.3
 
@@ -67,13 +69,15 @@ def rendezvous_sequence(world_size=3, host="rank 0's process", ax=None):
             ax.text(xs["store"] + 0.08, rows[-1] - gap + 0.03, "ok, all here", fontsize=8,
                     va="bottom", color=STORE_COLOR)
         if i in (4, 5):
-            # Every pair of ranks gets its own connection (gloo builds a full mesh).
-            for a in range(world_size):
-                for b in range(a + 1, world_size):
-                    ax.annotate("", xy=(xs[b], middle), xytext=(xs[a], middle), zorder=2,
-                                arrowprops=dict(arrowstyle="<|-|>" if i == 5 else "-",
-                                                color=PEER_COLOR, lw=1.2, shrinkA=2, shrinkB=2,
-                                                connectionstyle=f"arc3,rad={0.12 * (b - a - 1)}"))
+            # Every pair of ranks gets its own connection (gloo builds a full mesh), each on its
+            # own row: a connection that skips a rank crosses its lifeline, never another line.
+            for k, (a, b) in enumerate(pairs):
+                y = y0 - gap * k
+                ax.annotate("", xy=(xs[b], y), xytext=(xs[a], y), zorder=2,
+                            arrowprops=dict(arrowstyle="<|-|>" if i == 5 else "-",
+                                            color=PEER_COLOR, lw=1.2, shrinkA=2, shrinkB=2))
+                if i == 4:
+                    ax.plot([xs[a], xs[b]], [y, y], "o", color=PEER_COLOR, ms=3, zorder=3)
         y0 -= heights[i]
     ax.set_xlim(-3.0, xs[world_size - 1] + 3.2)
     ax.set_ylim(bottom, top + 0.7)

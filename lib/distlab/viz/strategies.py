@@ -16,7 +16,8 @@ STRATEGIES = [
     ("Sharded data parallel\n(ZeRO-3 / FSDP)", "stores 1/4 of every layer (solid); gathers the\n"
      "rest just to use it (hatched); own batch",
      lambda d: [(l, d) for l in range(4)], lambda d: [d], lambda d: EVERYTHING),
-    ("Tensor parallel", "each layer's matrices split by column;\nall devices see the same batch",
+    ("Tensor parallel", "layers in pairs: one split by columns, the next\nby rows (Megatron); "
+     "all devices see the same batch",
      lambda d: [(l, d) for l in range(4)], lambda d: [0, 1, 2, 3]),
     ("Pipeline parallel", "consecutive layers per device;\nmicro-batches flow down the stages",
      lambda d: [(d, c) for c in range(4)], lambda d: [0, 1, 2, 3]),
@@ -37,6 +38,13 @@ def strategy_map(figsize=(15, 4.2)):
                 for col in range(4):
                     cell = (layer, col)
                     color = DEVICE_COLORS[d] if cell in held | lent else "white"
+                    if title == "Tensor parallel" and layer % 2 == 1:
+                        # Megatron's row-parallel layer: device d holds input rows, a band
+                        # across the whole layer (the cell's column index picks the band).
+                        ax.add_patch(Rectangle((x0, 3 - layer + 0.9 - (col + 1) * 0.225), 1.0,
+                                               0.225, facecolor=color, edgecolor=GREY,
+                                               linewidth=0.6))
+                        continue
                     ax.add_patch(Rectangle((x0 + col * 0.25, 3 - layer), 0.25, 0.9,
                                            facecolor=color, edgecolor=GREY, linewidth=0.6,
                                            alpha=0.3 if cell in lent else 1.0))
