@@ -1,6 +1,7 @@
-"""Workbook 04's checkers: right answers written otherwise pass; wrong structures, the course's own
-mesh code and an HSDP average that sends the whole gradient between replicas are refused, with the
-sentence a learner reads; stubs are reported as not written."""
+"""Workbook 04's checkers, each through the battery (tests/checker_battery.py): the workbook's
+solution and a right answer written otherwise pass; a wrong answer, the course's own mesh code (or
+torch's answer where the exercise is to write it) and a decoy (right on the obvious case, wrong
+structure) are refused, each in one sentence; stubs are reported as not written."""
 import itertools
 import math
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from checker_battery import battery
 from distlab import mesh
 from distlab.checks import CheckFailed, ch04
 
@@ -46,18 +48,55 @@ def flattened_with_peers(rank, shape, names, dims):
     return group
 
 
-def test_flattened_group(capsys):
-    ch04.check_flattened_group(flattened_by_scan)
-    assert "✅ flattened_by_scan gives DeviceMesh's flattened groups on every rank, 7" in \
-        capsys.readouterr().out
-    with pytest.raises(CheckFailed, match=r"flattened_as_a_block\(0, \(2, 2, 2\), \('dp', 'cp', "
-                                          r"'tp'\), \('dp', 'cp'\)\) against DeviceMesh's "
-                                          r"mesh\[\('dp', 'cp'\)\]._flatten\(\), element \[1\]: "
-                                          r"expected 2, got 1"):
-        ch04.check_flattened_group(flattened_as_a_block)
-    with pytest.raises(CheckFailed, match="course's own peers; the exercise is to work the group "
-                                          "out from the rank number yourself"):
-        ch04.check_flattened_group(flattened_with_peers)
+def flattened_solution(rank, shape, names, dims):      # as the workbook's solution
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    free = [names.index(n) for n in dims]
+    first = rank - sum(rank // strides[d] % shape[d] * strides[d] for d in free)
+    group = [first]
+    for d in free:
+        group = [r + i * strides[d] for r in group for i in range(shape[d])]
+    return group
+
+
+def flattened_the_other_dimensions(rank, shape, names, dims):
+    # Wrong: the ranks that share the coordinates OF `dims` (the complement's group).
+    coords = lambda r: [int(c) for c in torch.unravel_index(torch.tensor(r), shape)]  # noqa: E731
+    fixed = [names.index(n) for n in dims]
+    mine = coords(rank)
+    return [r for r in range(math.prod(shape)) if all(coords(r)[d] == mine[d] for d in fixed)]
+
+
+def flattened_with_a_wrong_stride(rank, shape, names, dims):
+    # Wrong, and it crashes: strides from the sizes FROM each dimension on, halved twice, reach 0
+    # on a (2, 2, 2) mesh: the refusal is still one sentence.
+    strides = [math.prod(shape[d:]) // shape[0] // 2 for d in range(len(shape))]
+    free = [names.index(n) for n in dims]
+    first = rank - sum(rank // strides[d] % shape[d] * strides[d] for d in free)
+    return [first + i * strides[free[-1]] for i in range(shape[free[-1]])]
+
+
+def flattened_from_device_mesh_truth(rank, shape, names, dims):
+    # The cheat: the checker's own answer, DeviceMesh's groups read back on ranks.
+    return ch04.flattened_truth()[tuple(shape), tuple(names), tuple(dims)][rank]
+
+
+def test_flattened_group_battery():
+    said = battery(ch04.check_flattened_group, correct=[flattened_solution],
+                   different=[flattened_by_scan], wrong=[flattened_the_other_dimensions, flattened_with_a_wrong_stride],
+                   cheat=[flattened_with_peers, flattened_from_device_mesh_truth],
+                   decoy=[flattened_as_a_block])
+    assert ("flattened_as_a_block(0, (2, 2, 2), ('dp', 'cp', 'tp'), ('dp', 'cp')) against "
+            "DeviceMesh's mesh[('dp', 'cp')]._flatten(), element [1]: expected 2, got 1"
+            in said["decoy"][0])
+    assert ("course's own peers; the exercise is to work the group out from the rank number "
+            "yourself" in said["cheat"][0])
+    assert "course's own flattened_truth" in said["cheat"][1]
+    assert ("flattened_with_a_wrong_stride(0, (2, 2, 2), ('dp', 'cp', 'tp'), ('dp', 'tp')) "
+            "raised ZeroDivisionError: integer division or modulo by zero; call it yourself "
+            "with these arguments to see where." == said["wrong"][1])
+
+
+def test_flattened_group_names_the_order(capsys):
     with pytest.raises(CheckFailed, match=r"the right ranks in another order, \[4, 0, 5, 1\]"):
         ch04.check_flattened_group(
             lambda r, s, n, d: [4, 0, 5, 1] if (s, d) == ((2, 2, 2), ("dp", "tp")) and r == 0
@@ -110,22 +149,49 @@ def tp_last_counting_a_line(sizes, traffic, gpus_per_node):
     return order, total
 
 
-def test_best_order(capsys):
-    ch04.check_best_order(best_order_by_tensors)
-    assert "✅ best_order_by_tensors finds an order" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match=r"'tp': 4\}, traffic, gpus_per_node=8\) chose \('dp', "
-                                          r"'tp', 'ep'\), which sends 560.00 GB between nodes per "
-                                          r"step \(dp 256.00 GB, tp 256.00 GB, ep 48.00 GB\); "
-                                          r"\('tp', 'ep', 'dp'\) sends only 352.00 GB"):
-        ch04.check_best_order(heaviest_last)
-    with pytest.raises(CheckFailed, match=r"for the order \('dp', 'pp', 'tp'\) the groups send "
-                                          r"129.28 GB between nodes per step \(dp 112.00 GB, pp "
-                                          r"17.28 GB, tp 0.00 GB\); your function said "
-                                          r"92.64 GB\.$"):
-        ch04.check_best_order(tp_last_counting_a_line)
-    with pytest.raises(CheckFailed, match="course's own groups_along"):
-        ch04.check_best_order(lambda s, t, g: (tuple(s), len(mesh.groups_along(tuple(s.values()),
-                                                                              0))))
+def best_order_solution(sizes, traffic, gpus_per_node):     # as the workbook's solution
+    best = None
+    for order in itertools.permutations(sizes):
+        shape = [sizes[n] for n in order]
+        world = math.prod(shape)
+        crossing = 0.0
+        for d, dim in enumerate(order):
+            stride = math.prod(shape[d + 1:])
+            for start in range(world):
+                if start // stride % shape[d]:
+                    continue
+                nodes = {(start + i * stride) // gpus_per_node for i in range(shape[d])}
+                if len(nodes) > 1:
+                    crossing += len(nodes) * traffic[dim]
+        if best is None or crossing < best[1]:
+            best = (order, crossing)
+    return best
+
+
+def best_order_with_groups_along(sizes, traffic, gpus_per_node):
+    # The cheat: the course's mesh arithmetic lists the groups.
+    def crossing(order):
+        shape = tuple(sizes[n] for n in order)
+        return sum(len({r // gpus_per_node for r in g}) * traffic[order[d]]
+                   for d in range(len(order)) for g in mesh.groups_along(shape, d)
+                   if len({r // gpus_per_node for r in g}) > 1)
+    return min(((o, crossing(o)) for o in itertools.permutations(sizes)), key=lambda x: x[1])
+
+
+def test_best_order_battery():
+    said = battery(ch04.check_best_order, correct=[best_order_solution],
+                   different=[best_order_by_tensors], wrong=[tp_last_counting_a_line],
+                   cheat=[best_order_with_groups_along], decoy=[heaviest_last])
+    assert ("'tp': 4}, traffic, gpus_per_node=8) chose ('dp', 'tp', 'ep'), which sends 560.00 GB "
+            "between nodes per step (dp 256.00 GB, tp 256.00 GB, ep 48.00 GB); ('tp', 'ep', "
+            "'dp') sends only 352.00 GB" in said["decoy"][0])
+    assert said["wrong"][0].endswith(
+        "for the order ('dp', 'pp', 'tp') the groups send 129.28 GB between nodes per step (dp "
+        "112.00 GB, pp 17.28 GB, tp 0.00 GB); your function said 92.64 GB.")
+    assert "course's own groups_along" in said["cheat"][0]
+
+
+def test_best_order_refuses_a_bare_order():
     with pytest.raises(CheckFailed, match="should return \\(order, bytes\\)"):
         ch04.check_best_order(lambda s, t, g: tuple(s))
 
@@ -162,22 +228,73 @@ def hsdp_with_hand_mesh(rank, world_size, grad, replicate, shard):
     return grad
 
 
-def test_hsdp_average(capsys, monkeypatch):
-    monkeypatch.setattr(ch04, "HSDP_CASES", [(2, 3), (3, 2)])
-    ch04.check_hsdp_average(hsdp_with_device_mesh)
-    assert "✅ hsdp_with_device_mesh averages the gradient" in capsys.readouterr().out
+def hsdp_solution(rank, world_size, grad, replicate, shard):   # as the workbook's solution
+    replicas = [dist.new_group(list(range(i * shard, (i + 1) * shard))) for i in range(replicate)]
+    same_shard = [dist.new_group(list(range(j, world_size, shard))) for j in range(shard)]
+    piece = torch.empty(grad.numel() // shard, dtype=grad.dtype, device=grad.device)
+    dist.reduce_scatter_single(piece, grad, group=replicas[rank // shard])
+    dist.all_reduce(piece, group=same_shard[rank % shard])
+    return piece / world_size
+
+
+def hsdp_by_messages(rank, world_size, grad, replicate, shard):
+    # Differently written: the same bytes as messages. A ring reduce-scatter inside the replica,
+    # then a ring all-reduce of the shard across the replicas, all by isend/irecv.
+    def ring_all_reduce(t, ranks, reduce_only=False):
+        n, me = len(ranks), ranks.index(rank)
+        chunks = list(torch.tensor_split(t, n))
+        right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
+        for s in range(n - 1):
+            out_c, in_c = (me - s - 1) % n, (me - s - 2) % n
+            buf = torch.empty_like(chunks[in_c])
+            for h in [dist.isend(chunks[out_c].contiguous(), right), dist.irecv(buf, left)]:
+                h.wait()
+            chunks[in_c] += buf
+        if reduce_only:
+            return chunks[me]
+        for s in range(n - 1):
+            out_c, in_c = (me - s) % n, (me - s - 1) % n
+            for h in [dist.isend(chunks[out_c].contiguous(), right),
+                      dist.irecv(chunks[in_c], left)]:
+                h.wait()
+        return torch.cat(chunks)
+
+    replica = list(range(rank // shard * shard, (rank // shard + 1) * shard))
+    piece = ring_all_reduce(grad.clone(), replica, reduce_only=True).clone()
+    piece = ring_all_reduce(piece, list(range(rank % shard, world_size, shard)))
+    return piece / world_size
+
+
+def test_hsdp_average_battery(monkeypatch):
+    monkeypatch.setattr(ch04, "HSDP_CASES", [(3, 2), (2, 3)])
+    battery(ch04.check_hsdp_average, correct=[hsdp_solution],
+            different=[hsdp_with_device_mesh, hsdp_by_messages], require=("correct", "different"))
     monkeypatch.setattr(ch04, "HSDP_CASES", [(2, 3)])
-    with pytest.raises(CheckFailed, match=r"replicate=2, shard=3: the values are right, but rank "
-                                          r"0 sent 96 bytes to other replicas \(its all_reduce "
-                                          r"over ranks \[0, 1, 2, 3, 4, 5\] alone 96\); HSDP "
-                                          r"sends only this rank's shard between replicas, 32 "
-                                          r"bytes"):
-        ch04.check_hsdp_average(hsdp_by_world_all_reduce)
-    with pytest.raises(CheckFailed, match=r"replicate=2, shard=3, rank 0 \(shard 0 of the "
-                                          r"gradient averaged over all 6 ranks\), element \[0\]: "
-                                          r"expected 25, got 10"):
-        ch04.check_hsdp_average(hsdp_inside_the_replica_only)
-    with pytest.raises(CheckFailed, match="course's own HandMesh"):
-        ch04.check_hsdp_average(hsdp_with_hand_mesh)
+    said = battery(ch04.check_hsdp_average, wrong=[hsdp_inside_the_replica_only],
+                   cheat=[hsdp_with_hand_mesh], decoy=[hsdp_by_world_all_reduce],
+                   require=("wrong", "cheat", "decoy"))
+    assert ("replicate=2, shard=3, rank 0 (shard 0 of the gradient averaged over all 6 ranks), "
+            "element [0]: expected 25, got 10" in said["wrong"][0])
+    assert "course's own HandMesh" in said["cheat"][0]
+    assert ("replicate=2, shard=3: the values are right, but rank 0 sent 160 bytes to other "
+            "replicas (its all_reduce over ranks [0, 1, 2, 3, 4, 5] alone 160); HSDP sends "
+            "between replicas at most a ring all-reduce of this rank's shard of 8 floats, "
+            "2(R-1)·ceil(8/R) = 8 floats (32 bytes)" in said["decoy"][0])
+
+
+def test_hsdp_average_stub_is_not_written():
     with pytest.raises(NotImplementedError, match="hsdp_average is not written yet"):
         ch04.check_hsdp_average(hsdp_average)
+
+
+def test_ch04_group_creation_numbers_are_the_arithmetic():
+    import pathlib
+    import nbformat
+    path = (pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+            / "04_device_meshes.ipynb")
+    text = " ".join(c.source for c in nbformat.read(path, as_version=4).cells
+                    if c.cell_type == "markdown").replace("\n", " ")
+    shape, names = (16, 8, 8), ("dp", "pp", "tp")
+    counts = [len(mesh.groups_along(shape, d, names)) for d in range(3)]
+    assert counts == [64, 128, 128] and sum(counts) == 320
+    assert "On 1,024 GPUs as `dp × pp × tp = 16 × 8 × 8` that is 64 + 128 + 128 = 320 calls" in text

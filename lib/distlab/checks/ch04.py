@@ -5,7 +5,9 @@
 - `check_best_order`: the dimension order that sends the fewest bytes between nodes, against every
   order of the dimensions (on cases where "TP last" or "heaviest last" is not the answer);
 - `check_hsdp_average`: HSDP's gradient average on real ranks, judged by the values AND by what
-  crosses between replicas (only a shard may: that is HSDP's point).
+  crosses between replicas (at most a ring all-reduce of this rank's shard: that is HSDP's point),
+  counted by one rule for messages and collectives (`ch03.ring_share`), so a hand-written ring of
+  send/recv passes where the collective of the same bytes does.
 """
 import itertools
 import math
@@ -14,6 +16,7 @@ import torch
 
 from . import CheckFailed, call_learner, compare, forbid, passed, run
 from .ch01 import learner_run, refusing
+from .ch03 import ring_share as _ring_share
 from .. import mesh as _mesh
 
 
@@ -23,6 +26,20 @@ def _course_mesh_code():
             _mesh.peer_groups, _mesh.peer_table, _mesh.HandMesh, _mesh.device_mesh,
             _mesh.mesh_peer_groups, _mesh.gather_all_groups, flattened_truth, _flatten_on_ranks,
             _reference_groups, _crossing_bytes, _reference_best, _hsdp_reference)
+
+
+def _call(fn, name, *args):
+    """The learner's function called in this process: an exception it raises becomes the check's
+    one sentence, naming the call to re-run (a stub stays a NotImplementedError)."""
+    try:
+        return call_learner(fn, *args, name=name)
+    except (CheckFailed, NotImplementedError):
+        raise
+    except Exception as e:
+        shown = ", ".join(map(repr, args))
+        raise CheckFailed(f"{name}({shown}) raised {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else 'no message'}; call it "
+                          f"yourself with these arguments to see where.") from None
 
 
 # ---- exercise 1: the group of several dimensions flattened into one ---------------------------
@@ -74,7 +91,7 @@ def check_flattened_group(flattened_group):
     name = getattr(flattened_group, "__name__", "flattened_group")
     with refusing(*_course_mesh_code(), exercise="work the group out from the rank number "
                                                  "yourself"):
-        answers = {(s, n, d): [call_learner(flattened_group, r, s, n, d, name=name)
+        answers = {(s, n, d): [_call(flattened_group, name, r, s, n, d)
                                for r in range(math.prod(s))] for s, n, d in FLATTEN_CASES}
     for (shape, names, dims), got in answers.items():
         truth = flattened_truth()[shape, names, dims]
@@ -149,7 +166,7 @@ def check_best_order(best_order):
         call = f"{name}({sizes}, traffic, gpus_per_node={gpus_per_node})"
         with refusing(*_course_mesh_code(), exercise="work out the groups of each order "
                                                      "yourself"):
-            got = call_learner(best_order, dict(sizes), dict(traffic), gpus_per_node, name=name)
+            got = _call(best_order, name, dict(sizes), dict(traffic), gpus_per_node)
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
             raise CheckFailed(f"{call} should return (order, bytes), e.g. "
                               f"({tuple(sizes)}, 1.2e9); got {got!r}.")
@@ -205,24 +222,23 @@ def _hsdp_on_ranks(rank, world_size, hsdp_average, replicate, shard, n):
     return out.cpu() if isinstance(out, torch.Tensor) else out
 
 
-def _payload(event):
-    """The bytes of this rank's own data that an event sends (an all_gather's piece, a
-    reduce_scatter's whole input, an all_reduce's tensor)."""
-    if event["op"] == "all_gather":
-        return event["bytes"] / max(1, len(event["group"] or ()))
-    return event["bytes"]
-
-
 def _across_replicas(trace, rank, shard):
-    """[(op, group, bytes)] of what `rank` sent in calls that reach another replica."""
+    """[(op, reach, bytes)] of what `rank` sent to other replicas, by the one traffic rule of the
+    checkers (`ch03.ring_share`): a message counts its bytes, a collective whose group reaches
+    another replica the bytes this rank sends in it done as a ring — so send/recv carrying the
+    same bytes as a collective count the same."""
     mine = rank // shard
     out = []
     for e in trace.comm(rank):
         if e["op"] in ("recv", "barrier"):
             continue
-        reach = [e["peer"]] if e["op"] == "send" else list(e["group"] or ())
-        if any(r // shard != mine for r in reach if r is not None):
-            out.append((e["op"], reach, _payload(e)))
+        if e["op"] == "send":
+            if e["peer"] is not None and e["peer"] // shard != mine:
+                out.append(("send", [e["peer"]], e["bytes"]))
+            continue
+        reach = list(e["group"] or ())
+        if any(r // shard != mine for r in reach):
+            out.append((e["op"], reach, _ring_share(e["op"], e["bytes"], len(reach))))
     return out
 
 
@@ -241,17 +257,19 @@ def check_hsdp_average(hsdp_average):
             compare(got[r], _hsdp_reference(r, ws, shard, n),
                     f"{context}, rank {r} (shard {r % shard} of the gradient averaged over all "
                     f"{ws} ranks)")
-        allowed = n // shard * 4
+        piece = n // shard                                      # this rank's shard
+        allowed = 2 * (replicate - 1) * math.ceil(piece / replicate) * 4
         for r in range(ws):
             sent = _across_replicas(got.trace, r, shard)
             total = sum(b for _, _, b in sent)
-            if total > allowed:
+            if total > allowed + 1e-6:
                 op, reach, b = max(sent, key=lambda s: s[2])
                 raise CheckFailed(
                     f"{context}: the values are right, but rank {r} sent {int(total)} bytes to "
                     f"other replicas (its {op} over ranks {reach} alone {int(b)}); HSDP sends "
-                    f"only this rank's shard between replicas, {allowed} bytes "
-                    f"({n // shard} floats): reduce inside the replica first.")
+                    f"between replicas at most a ring all-reduce of this rank's shard of "
+                    f"{piece} floats, 2(R-1)·ceil({piece}/R) = {allowed // 4} floats "
+                    f"({allowed} bytes): reduce inside the replica first.")
     cases = ", ".join(f"{r} × {s}" for r, s in HSDP_CASES)
     passed(f"{name} averages the gradient over every rank and sends only a shard between "
            f"replicas, on replicate × shard = {cases}.")

@@ -58,7 +58,8 @@ def draw_mesh(shape, names, color_by, highlight=None, ax=None, ranks_per_machine
     """Draw the mesh; squares of the same colour are one process group along `color_by`.
 
     highlight: a rank whose group gets a thick outline. ranks_per_machine: label each square
-    with its machine (m0, m1, …), numbered as launchers number ranks. Returns the Figure.
+    with its machine (m0, m1, …), numbered as launchers number ranks, and draw a dashed box
+    around each machine's ranks. Returns the Figure.
     """
     import matplotlib.patches as patches
     shape, names = check_mesh(shape, names)
@@ -99,7 +100,27 @@ def draw_mesh(shape, names, color_by, highlight=None, ax=None, ranks_per_machine
     ax.set_ylim(-0.45 if len(shape) == 3 else -0.1, rows + 0.3)
     ax.set_aspect("equal")
     ax.axis("off")
+    if ranks_per_machine:
+        outline_machines(ax, shape, ranks_per_machine)
     return ax.figure
+
+
+def outline_machines(ax, shape, ranks_per_machine):
+    """A dashed box around each machine's ranks, named on its right: launchers number ranks
+    machine by machine, so a machine is a run of consecutive ranks."""
+    import matplotlib.patches as patches
+    n = math.prod(shape)
+    for m in range(math.ceil(n / ranks_per_machine)):
+        cells = [cell_xy(r, shape)
+                 for r in range(m * ranks_per_machine, min(n, (m + 1) * ranks_per_machine))]
+        x0, y0 = min(x for x, _ in cells) - 0.05, min(y for _, y in cells) - 0.05
+        x1, y1 = max(x for x, _ in cells) + CELL + 0.05, max(y for _, y in cells) + CELL + 0.05
+        ax.add_patch(patches.Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, linestyle="--",
+                                       linewidth=1.8, edgecolor="#333333"))
+        ax.text(x1 + 0.08, (y0 + y1) / 2, f"machine {m}", rotation=90, ha="left", va="center",
+                fontsize=9)
+    left, right = ax.get_xlim()
+    ax.set_xlim(left, right + 0.45)
 
 
 def _label_axes(ax, shape, names, panels, rows, cols):

@@ -1,13 +1,11 @@
 """Pictures of a run's trace: what every rank did when, and who sent how much to whom."""
-import textwrap
-
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from ..emulate import describe
 from ..trace import _unit
 
 COMPUTE, COMM, WAIT = "#4C72B0", "#DD8452", "#C44E52"
+LABEL = "timeline-event-label"        # the gid of an event's label (tests find them by it)
 
 
 def timeline(trace, ax=None, title=None, until=None, labels=True):
@@ -21,26 +19,33 @@ def timeline(trace, ax=None, title=None, until=None, labels=True):
     unit, scale = _unit(end)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.55 * trace.world_size + 1.4))
+    placed = []
     for r in range(trace.world_size):
         y = r
         for s in trace.compute(r):
             if s["start"] < end:
                 ax.barh(y - 0.18, (min(s["end"], end) - s["start"]) * scale, left=s["start"] * scale,
                         height=0.34, color=COMPUTE, lw=0)
-        for e in trace.comm(r):
-            if e["start"] is None or e["end"] is None or e["start"] >= end:
-                continue
+        shown = [e for e in trace.comm(r) if e["start"] is not None and e["end"] is not None
+                 and e["start"] < end]
+        for e in shown:
             ax.barh(y + 0.18, (min(e["end"], end) - e["start"]) * scale, left=e["start"] * scale,
                     height=0.3, color=COMM, edgecolor="black", lw=0.3)
             if e["waited"] > 0:
                 ax.barh(y + 0.18, e["waited"] * scale, left=(e["end"] - e["waited"]) * scale,
                         height=0.12, color=WAIT, lw=0)
-            if labels and (e["end"] - e["start"]) * scale > 0.06 * end * scale:
-                ax.text((e["start"] + e["end"]) / 2 * scale, y + 0.18, _short(e), ha="center",
-                        va="center", fontsize=8)
+        if labels:
+            # Concurrent calls (a ring step's send right and receive left) share ONE label,
+            # "→1 ←3": drawn at each bar, their labels would sit on top of each other.
+            for start, stop, text in _clusters(shown, end):
+                placed.append((r, start * scale, stop * scale,
+                               ax.text((start + stop) / 2 * scale, y + 0.18, text, ha="center",
+                                       va="center", fontsize=8, gid=LABEL)))
     ax.set_yticks(range(trace.world_size), [f"rank {r}" for r in range(trace.world_size)])
     ax.invert_yaxis()
     ax.set_xlim(0, end * scale * 1.02)
+    if placed:
+        _drop_crowded(ax, placed)
     source = getattr(trace, "source", None)     # a torch.profiler trace read back, say so
     if source and trace.emulated is None:
         ax.set_xlabel(f"{unit} since the first event ({source})")
@@ -50,14 +55,52 @@ def timeline(trace, ax=None, title=None, until=None, labels=True):
                        " (measured on this machine)"))
     heading = title or "what every rank did"
     if trace.emulated is not None:
-        # fonts lack the emoji; wrapped, or a multi-link preset's line widens the figure 2×
-        heading += "\n" + textwrap.fill(describe(trace.emulated).lstrip("⏱ "), 130)
+        # One line: the run's cell prints the cluster's full description ("⏱ emulated: ...").
+        heading += f"\nemulated on {trace.emulated.name}: times modeled, not measured"
     ax.set_title(heading, fontsize=9)
     ax.legend(handles=[Patch(color=COMPUTE, label="compute"),
                        Patch(color=COMM, label="communication in flight"),
                        Patch(color=WAIT, label="blocked in a call\n(its own transfer included)")],
               loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     return ax
+
+
+def _clusters(events, end):
+    """[(start, stop, label)]: the rank's calls that overlap in time, merged, each with the
+    short labels of its calls ("→1 ←3"), in the order they were issued."""
+    out = []
+    for e in sorted(events, key=lambda e: (e["start"], e.get("seq", 0))):
+        stop = min(e["end"], end)
+        if out and e["start"] < out[-1][1]:
+            first, last, names = out[-1]
+            if _short(e) not in names:
+                names.append(_short(e))
+            out[-1] = (first, max(last, stop), names)
+        else:
+            out.append((e["start"], stop, [_short(e)]))
+    return [(a, b, " ".join(names)) for a, b, names in out]
+
+
+def _drop_crowded(ax, placed):
+    """Keep a label only where it fits: inside its own bar's span and clear of every label kept
+    before it on its row (a label that does not fit is removed, never drawn over another)."""
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    kept = {}
+    for row, left, right, text in placed:
+        box = text.get_window_extent(renderer)
+        (x0, _), (x1, _) = ax.transData.transform([(left, 0), (right, 0)])
+        clear = all(box.x1 <= other.x0 or box.x0 >= other.x1 for other in kept.get(row, ()))
+        if box.width <= (x1 - x0) and clear:
+            kept.setdefault(row, []).append(box)
+        else:
+            text.remove()
+
+
+def label_boxes(ax):
+    """The window extents of the event labels a timeline kept on `ax` (for tests)."""
+    renderer = ax.figure.canvas.get_renderer()
+    return [t.get_window_extent(renderer) for t in ax.texts if t.get_gid() == LABEL]
 
 
 def _short(e):
@@ -89,7 +132,8 @@ def matrix(trace, ax=None, title="bytes sent by point-to-point messages"):
 
 
 def _bytes(b):
-    for unit, size in (("MB", 1e6), ("KB", 1e3)):
+    # Binary units: the tensors' sizes are powers of two (6 × 256 KiB reads 1.5 MiB, not 1.57 MB).
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
         if b >= size:
             return f"{b / size:.3g} {unit}"
     return f"{b} B"
