@@ -1,5 +1,8 @@
-"""Workbook 06's checkers pass right answers however they are written, and refuse wrong results,
-wrong communication (read from the trace) and the course's own code, saying which."""
+"""Workbook 06's checkers, each through the battery (tests/checker_battery.py): right answers
+however written pass; wrong results, wrong communication (read from the trace: bytes, group,
+values), the course's own code and decoys are refused in one sentence. Then chapter 06/06b's
+models and the numbers their prose quotes."""
+import re
 import threading
 
 import pytest
@@ -8,122 +11,159 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import all_gather, reduce_scatter
 
+from checker_battery import battery
 from distlab import memory
 from distlab.checks import CheckFailed, ch06
 from distlab.sharding import chunk_bounds, gather_flat
 
 
-# ---- ZeRO-1 -------------------------------------------------------------------------------------
+# ---- exercise 1: a sharded step over one flat buffer, on a process group ------------------------
 
-def zero1_step(params, shards, optimizer):
-    """The workbook's answer: reduce-scatter padded gradients (list form, imported names)."""
-    world = dist.get_world_size()
-    for p, s in zip(params, shards):
-        c = -(-p.numel() // world)
-        out = torch.empty(c, dtype=p.grad.dtype)
-        reduce_scatter(out, list(F.pad(p.grad.view(-1), (0, c * world - p.numel())).split(c)))
-        s.grad = out[:s.numel()] / world
+def flat_zero_step(params, flat_shard, optimizer, group):
+    """The workbook's answer: list-form collectives on the group."""
+    n = dist.get_world_size(group)
+    grad = torch.cat([p.grad.reshape(-1) for p in params])
+    total = grad.numel()
+    c = -(-total // n)
+    mine = torch.empty(c, dtype=grad.dtype)
+    reduce_scatter(mine, list(F.pad(grad, (0, c * n - total)).split(c)), group=group)
+    flat_shard.grad = mine[:flat_shard.numel()] / n
     optimizer.step()
-    for p, s in zip(params, shards):
-        c = -(-p.numel() // world)
-        parts = [torch.empty(c, dtype=s.dtype) for _ in range(world)]
-        all_gather(parts, F.pad(s.data, (0, c - s.numel())))
-        p.data.view(-1).copy_(torch.cat(parts)[:p.numel()])
+    parts = [torch.empty(c, dtype=flat_shard.dtype) for _ in range(n)]
+    all_gather(parts, F.pad(flat_shard.detach(), (0, c - flat_shard.numel())), group=group)
+    for p, part in zip(params, torch.cat(parts)[:total].split([q.numel() for q in params])):
+        p.data.copy_(part.view_as(p))
 
 
-def zero1_step_single_avg(params, shards, optimizer):
-    """Differently written: reduce_scatter_single with ReduceOp.AVG, all_gather_single."""
-    world = dist.get_world_size()
-    for p, s in zip(params, shards):
-        c = -(-p.numel() // world)
-        out = torch.empty(c, dtype=p.grad.dtype)
-        dist.reduce_scatter_single(out, F.pad(p.grad.view(-1), (0, c * world - p.numel())),
-                                   op=dist.ReduceOp.AVG)
-        s.grad = out[:s.numel()].clone()
+def flat_zero_step_single(params, flat_shard, optimizer, group):
+    """Differently written: _single collectives, ReduceOp.AVG, a copy loop with offsets."""
+    n = dist.get_world_size(group)
+    total = sum(p.numel() for p in params)
+    c = -(-total // n)
+    buf = torch.zeros(c * n, dtype=params[0].dtype)
+    at = 0
+    for p in params:
+        buf[at:at + p.numel()] = p.grad.reshape(-1)
+        at += p.numel()
+    out = torch.empty(c, dtype=buf.dtype)
+    dist.reduce_scatter_single(out, buf, op=dist.ReduceOp.AVG, group=group)
+    flat_shard.grad = out[:flat_shard.numel()].clone()
     optimizer.step()
-    for p, s in zip(params, shards):
-        c = -(-p.numel() // world)
-        full = torch.empty(c * world, dtype=s.dtype)
-        dist.all_gather_single(full, F.pad(s.data, (0, c - s.numel())))
-        p.data.view(-1).copy_(full[:p.numel()])
+    mine = torch.zeros(c, dtype=buf.dtype)
+    mine[:flat_shard.numel()] = flat_shard.detach()
+    dist.all_gather_single(buf, mine, group=group)
+    at = 0
+    for p in params:
+        p.data.view(-1).copy_(buf[at:at + p.numel()])
+        at += p.numel()
 
 
-def all_reduce_zero1_step(params, shards, optimizer, average=True):
-    """Right numbers, wrong structure: all-reduce the full gradients, then all-gather (1.5x DDP)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    for p, s in zip(params, shards):
-        dist.all_reduce(p.grad)
-        if average:
-            p.grad /= world
-        lo, hi = chunk_bounds(p.numel(), world, rank)
-        s.grad = p.grad.view(-1)[lo:hi]
+def flat_summed(params, flat_shard, optimizer, group):
+    """Wrong: the sum, not the average (Adam nearly hides it; the tight comparison does not)."""
+    n = dist.get_world_size(group)
+    grad = torch.cat([p.grad.reshape(-1) for p in params])
+    c = -(-grad.numel() // n)
+    out = torch.empty(c, dtype=grad.dtype)
+    dist.reduce_scatter_single(out, F.pad(grad, (0, c * n - grad.numel())), group=group)
+    flat_shard.grad = out[:flat_shard.numel()].clone()
     optimizer.step()
-    for p, s in zip(params, shards):
-        c = -(-p.numel() // world)
-        parts = [torch.empty(c, dtype=s.dtype) for _ in range(world)]
-        dist.all_gather(parts, F.pad(s.data, (0, c - s.numel())))
-        p.data.view(-1).copy_(torch.cat(parts)[:p.numel()])
+    _flat_back(params, flat_shard, group, c, n)
 
 
-def summed_reduce_scatter_step(params, shards, optimizer):
-    world = dist.get_world_size()
-    for p, s in zip(params, shards):
-        c = -(-p.numel() // world)
-        out = torch.empty(c, dtype=p.grad.dtype)
-        dist.reduce_scatter_single(out, F.pad(p.grad.view(-1), (0, c * world - p.numel())))
-        s.grad = out[:s.numel()].clone()     # forgot to divide by the world size
+def _flat_back(params, flat_shard, group, c, n, world=False):
+    full = torch.empty(c * n, dtype=flat_shard.dtype)
+    dist.all_gather_single(full, F.pad(flat_shard.detach(), (0, c - flat_shard.numel())),
+                           group=None if world else group)
+    total = sum(p.numel() for p in params)
+    for p, part in zip(params, full[:total].split([q.numel() for q in params])):
+        p.data.copy_(part.view_as(p))
+
+
+def flat_global_rank(params, flat_shard, optimizer, group):
+    """A decoy: right on the world group, but takes its offset from its WORLD rank, so on a
+    subgroup whose ranks are not 0..k it updates another slice than the one it owns."""
+    n = dist.get_world_size(group)
+    grad = torch.cat([p.grad.reshape(-1) for p in params])
+    total = grad.numel()
+    c = -(-total // n)
+    full = F.pad(grad, (0, c * n - total)).clone()
+    dist.all_reduce(full, group=group)
+    lo = min(dist.get_rank() * c, total - flat_shard.numel())
+    flat_shard.grad = full[lo:lo + flat_shard.numel()] / n
     optimizer.step()
-    for p, s in zip(params, shards):
-        p.data.view(-1).copy_(_gather(s.data, p.numel(), world))
+    _flat_back(params, flat_shard, group, c, n)
 
 
-def _gather(shard, numel, world):
-    c = -(-numel // world)
-    full = torch.empty(c * world, dtype=shard.dtype)
-    dist.all_gather_single(full, F.pad(shard, (0, c - shard.numel())))
-    return full[:numel]
-
-
-def gather_flat_zero1_step(params, shards, optimizer):
-    """A cheat: the course's own gather_flat does the all-gather."""
-    world = dist.get_world_size()
-    for p, s in zip(params, shards):
-        c = -(-p.numel() // world)
-        out = torch.empty(c, dtype=p.grad.dtype)
-        dist.reduce_scatter_single(out, F.pad(p.grad.view(-1), (0, c * world - p.numel())),
-                                   op=dist.ReduceOp.AVG)
-        s.grad = out[:s.numel()].clone()
+def flat_all_reduce(params, flat_shard, optimizer, group):
+    """A decoy: reduce-scatters the real gradient (right values travel), but gets its slice from
+    an all-reduce of the whole flat gradient too: 1.5x the bytes."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    grad = torch.cat([p.grad.reshape(-1) for p in params])
+    total = grad.numel()
+    c = -(-total // n)
+    out = torch.empty(c, dtype=grad.dtype)
+    dist.reduce_scatter_single(out, F.pad(grad, (0, c * n - total)), group=group)
+    dist.all_reduce(grad, group=group)
+    flat_shard.grad = grad[r * c:r * c + flat_shard.numel()] / n
     optimizer.step()
-    for p, s in zip(params, shards):
-        p.data.view(-1).copy_(gather_flat(s.data, p.numel()))
+    _flat_back(params, flat_shard, group, c, n)
 
 
-def test_zero1_accepts_right_answers_however_written(capsys):
-    ch06.check_zero1_step(zero1_step, world_sizes=(3,))  # all sizes: nbval of the workbook
-    ch06.check_zero1_step(zero1_step_single_avg)
-    assert capsys.readouterr().out.count("✅") == 2
+def flat_zeros_beside(params, flat_shard, optimizer, group):
+    """A decoy: a reduce-scatter of zeros (the bytes the trace expects) beside the real
+    exchange, which is an all-gather of every rank's whole gradient."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    grad = torch.cat([p.grad.reshape(-1) for p in params])
+    total = grad.numel()
+    c = -(-total // n)
+    dist.reduce_scatter_single(torch.empty(c, dtype=grad.dtype),
+                               torch.zeros(c * n, dtype=grad.dtype), group=group)
+    every = torch.empty(n * total, dtype=grad.dtype)
+    dist.all_gather_single(every, grad, group=group)
+    mean = every.view(n, total).mean(0)
+    flat_shard.grad = mean[r * c:r * c + flat_shard.numel()].clone()
+    optimizer.step()
+    _flat_back(params, flat_shard, group, c, n)
 
 
-def test_zero1_refuses_all_reduce_then_all_gather():
-    # The workbook's old answer: right numbers at 1.5x DDP's traffic.
-    with pytest.raises(CheckFailed) as e:
-        ch06.check_zero1_step(all_reduce_zero1_step)
-    message = str(e.value)
-    assert message.startswith("with world_size=2, rank 0 sent 5,184 B (all_gather 1,752 B, "
-                              "all_reduce 3,432 B; from the run's trace), 1.48× the 3,504 B")
-    assert "DDP's all-reduce: 3,432 B" in message and "reduce-scatter the gradients" in message
+def flat_world_barrier(params, flat_shard, optimizer, group):
+    """A cheat: the right step, then a barrier on the whole world where a group was given (in a
+    job whose groups step at different times, it waits for ranks that never come)."""
+    flat_zero_step_single(params, flat_shard, optimizer, group)
+    dist.barrier()
 
 
-def test_zero1_refuses_a_summed_gradient():
-    # Adam almost hides a gradient scaled by N; the tight comparison still sees it.
-    with pytest.raises(CheckFailed, match=r"zero1_step with world_size=2, rank 0, after 3 steps"):
-        ch06.check_zero1_step(summed_reduce_scatter_step)
+def flat_course_gather(params, flat_shard, optimizer, group):
+    """A cheat: the course's gather_flat."""
+    n = dist.get_world_size(group)
+    grad = torch.cat([p.grad.reshape(-1) for p in params])
+    c = -(-grad.numel() // n)
+    out = torch.empty(c, dtype=grad.dtype)
+    dist.reduce_scatter_single(out, F.pad(grad, (0, c * n - grad.numel())),
+                               op=dist.ReduceOp.AVG, group=group)
+    flat_shard.grad = out[:flat_shard.numel()].clone()
+    optimizer.step()
+    gather_flat(flat_shard.detach(), grad.numel())
 
 
-def test_zero1_refuses_the_course_gather():
-    with pytest.raises(CheckFailed, match=r"your function called the course's own gather_flat; "
-                                          r"the exercise is to write the ZeRO-1 step yourself"):
-        ch06.check_zero1_step(gather_flat_zero1_step)
+def test_flat_zero_step_battery():
+    # the workbook's answer (flat_zero_step) runs in nbval of solutions/06; one 5-rank launch
+    # per candidate here
+    said = battery(ch06.check_flat_zero_step, require=("different", "wrong", "cheat", "decoy"),
+                   different=[flat_zero_step_single], wrong=[flat_summed],
+                   cheat=[flat_world_barrier, flat_course_gather],
+                   decoy=[flat_global_rank, flat_all_reduce, flat_zeros_beside])
+    assert said["wrong"][0].startswith("flat_summed on the group [0, 2, 4], rank 0, after 3 "
+                                       "steps, parameter net.0.weight")
+    assert "a barrier ran on the ranks [0, 1, 2, 3, 4], not on the group it was given" in \
+        said["cheat"][0]
+    assert "course's own gather_flat" in said["cheat"][1]
+    assert "on the group [0, 2, 4], rank 0" in said["decoy"][0]
+    assert re.search(r"rank 0 sent [\d,]+ B \(all_gather [\d,]+ B, all_reduce [\d,]+ B, "
+                     r"reduce_scatter [\d,]+ B; from the run's trace\), 1\.\d\d× the",
+                     said["decoy"][1])
+    assert re.search(r"on the group \[[\d, ]+\], rank \d: a reduce_scatter carried all zeros",
+                     said["decoy"][2])
 
 
 # ---- ZeRO-3: a layer's forward and backward ---------------------------------------------------
@@ -299,27 +339,44 @@ class LetGoLate(ZeRO3Linear):
         return x @ w.t() + _pad_gather(bias_shard, shape[0], world)
 
 
-def test_zero3_layer_accepts_right_answers_however_written(capsys):
-    ch06.check_zero3_layer(ZeRO3Linear, world_sizes=(3,))  # all sizes: nbval of the workbook
-    ch06.check_zero3_layer(ZeRO3LinearSingle, world_sizes=(2,))
-    ch06.check_zero3_layer(LetGoLate, world_sizes=(2,))
-    assert capsys.readouterr().out.count("✅") == 3
+class ZeRO3LinearFlat(ZeRO3Linear):
+    """Differently written and correct: ONE all-gather for the weight's and the bias's slices
+    together (FSDP's flat parameter), each padded to its own ceil(numel / world)."""
+
+    @staticmethod
+    def forward(ctx, x, weight_shard, bias_shard, shape):
+        world = dist.get_world_size()
+        cw, cb = -(-shape[0] * shape[1] // world), -(-shape[0] // world)
+        mine = torch.cat([F.pad(weight_shard, (0, cw - weight_shard.numel())),
+                          F.pad(bias_shard, (0, cb - bias_shard.numel()))])
+        parts = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(parts, mine)
+        w = torch.cat([p[:cw] for p in parts])[:shape[0] * shape[1]].view(shape)
+        b = torch.cat([p[cw:] for p in parts])[:shape[0]]
+        ctx.save_for_backward(x, weight_shard)
+        ctx.shape, ctx.bias_numel = shape, bias_shard.numel()
+        return x @ w.t() + b
 
 
-def test_zero3_layer_refuses_wrong_structure_decoys_and_the_course():
-    with pytest.raises(CheckFailed, match=r"with world_size=2, rank 0: after layer 0's forward "
-                                          r"the rank still holds \d+ B it made during it — as "
-                                          r"much as the full 7×9 weight \(504 B in float64\)"):
-        ch06.check_zero3_layer(KeepsTheWeight)
-    with pytest.raises(CheckFailed, match=r"with world_size=2, rank 0: a reduce-scatter in the "
-                                          r"backward carried all zeros"):
-        ch06.check_zero3_layer(DecoyReduceScatter)
-    with pytest.raises(CheckFailed, match=r"rank 0: the backward called all_reduce; .* an "
-                                          r"all-reduce leaves every rank the whole sum"):
-        ch06.check_zero3_layer(AllReduceGradients)
-    with pytest.raises(CheckFailed, match=r"your function called the course's own gather_flat; "
-                                          r"the exercise is to write the ZeRO-3 layer yourself"):
-        ch06.check_zero3_layer(CourseGather)
+def _at_2(check, fn):
+    check(fn, world_sizes=(2,))
+
+
+def test_zero3_layer_battery(capsys):
+    ch06.check_zero3_layer(ZeRO3Linear, world_sizes=(3,))  # both sizes: nbval of the workbook
+    said = battery(ch06.check_zero3_layer, call=_at_2,
+                   correct=[LetGoLate], different=[ZeRO3LinearSingle, ZeRO3LinearFlat],
+                   wrong=[KeepsTheWeight, AllReduceGradients], cheat=[CourseGather],
+                   decoy=[DecoyReduceScatter])
+    assert re.search(r"with world_size=2, rank 0: after layer 0's forward the rank still holds "
+                     r"\d+ B it made during it — as much as the full 7×9 weight \(504 B in "
+                     r"float64\)", said["wrong"][0])
+    assert re.search(r"rank 0: the backward called all_reduce; .* an all-reduce leaves every "
+                     r"rank the whole sum", said["wrong"][1])
+    assert "your function called the course's own gather_flat; the exercise is to write the " \
+        "ZeRO-3 layer yourself" in said["cheat"][0]
+    assert "with world_size=2, rank 0: a reduce-scatter in the backward carried all zeros" in \
+        said["decoy"][0]
 
 
 def test_a_gloo_size_mismatch_is_explained():
@@ -329,81 +386,97 @@ def test_a_gloo_size_mismatch_is_explained():
         ch06.check_zero3_layer(Unpadded)
 
 
-# ---- predict, then run: ZeRO-2/3 bytes per GPU --------------------------------------------------
+# ---- exercise 3: the peak of ZeRO-3 without resharding after forward ---------------------------
 
-def zero_bytes(units, world_size, stage, bytes_per_param):
-    """The workbook's answer: walk backward's moments."""
-    w, g, o = (bytes_per_param[k] for k in ("weights", "grads", "optimizer"))
-    n, N = sum(units), world_size
-    held = (w * n / N if stage == 3 else w * n) + o * n / N
-    peak = held
+def no_reshard_peak(units, world_size, states, flowing, loss, prefetch):
+    """The workbook's answer: the turn, then backward from the last unit."""
+    best, where = states + sum(u["weights"] + u["acts"] for u in units) + loss + flowing, None
+    shards = 0.0
+    for i in range(len(units) - 1, -1, -1):
+        shards += units[i]["grad"] / world_size
+        here = (states + shards + sum(u["acts"] for u in units[:i])
+                + sum(u["weights"] for u in units[:i + 1]) + units[i]["grad"]
+                + (flowing if i == 0 else 2 * flowing))
+        if here > best:
+            best, where = here, i
+    return {"peak": best, "unit": where}
+
+
+def no_reshard_every_moment(units, world_size, states, flowing, loss, prefetch):
+    """Differently written: every moment in a dict, forward ones (with prefetch) included,
+    cumulative sums, then the largest; extra keys."""
+    import itertools
+    w = list(itertools.accumulate(u["weights"] for u in units))
+    a = [0.0] + list(itertools.accumulate(u["acts"] for u in units))
+    n = len(units)
+    moments = {}
+    for i in range(n):
+        moments[("f", i)] = states + a[i + 1] + w[i] + (units[i + 1]["weights"]
+                                                        if prefetch and i + 1 < n else 0)
+    moments[None] = states + a[n] + w[-1] + loss + flowing
+    for i in range(n):
+        shards = sum(u["grad"] for u in units[i:]) / world_size
+        moments[i] = states + shards + a[i] + w[i] + units[i]["grad"] + flowing * (1 + (i > 0))
+    key = max(moments, key=moments.get)
+    return {"peak": moments[key], "unit": key, "all": moments}
+
+
+def resharded_peak(units, world_size, states, flowing, loss, prefetch):
+    """Wrong: the chapter's resharding step (only the unit's own weights in backward)."""
+    best, where = states + sum(u["acts"] for u in units) + loss + flowing, None
     for i in range(len(units)):
-        peak = max(peak, held + g * sum(units[i:]) / N + g * units[i]
-                   + (w * units[i] if stage == 3 else 0))
-    return {"steady": held + g * n / N, "peak": peak}
+        here = (states + sum(u["grad"] for u in units[i:]) / world_size
+                + sum(u["acts"] for u in units[:i]) + units[i]["weights"] + units[i]["grad"]
+                + (flowing if i == 0 else 2 * flowing))
+        if here > best:
+            best, where = here, i
+    return {"peak": best, "unit": where}
 
 
-def zero_bytes_per_term(units, world_size, stage, bytes_per_param):
-    """Differently written: per-unit lists of what each moment adds, numpy-free, stage as a
-    set of sharded kinds."""
-    sharded = {"optimizer", "grads"} | ({"weights"} if stage == 3 else set())
-    steady = sum(bytes_per_param[k] * sum(units) / (world_size if k in sharded else 1)
-                 for k in bytes_per_param)
-    base = steady - bytes_per_param["grads"] * sum(units) / world_size
-    shards_after = [sum(units[i:]) / world_size for i in range(len(units))]
-    moments = [base + bytes_per_param["grads"] * (s + u)
-               + (bytes_per_param["weights"] * u if "weights" in sharded else 0)
-               for s, u in zip(shards_after, units)]
-    return {"peak": max(moments), "steady": steady, "note": "extra keys are fine"}
-
-
-def zero_bytes_no_full_gradient(units, world_size, stage, bytes_per_param):
-    """Wrong: the full gradient before the reduce-scatter is forgotten."""
-    out = zero_bytes(units, world_size, stage, bytes_per_param)
-    w, g = bytes_per_param["weights"], bytes_per_param["grads"]
-    n = sum(units)
-    held = (w * n / world_size if stage == 3 else w * n) + \
-        bytes_per_param["optimizer"] * n / world_size
-    out["peak"] = held + g * n / world_size + (w * max(units) if stage == 3 else 0)
-    return out
-
-
-def zero_bytes_no_gathered_layer(units, world_size, stage, bytes_per_param):
-    """Wrong: the peak counts ZeRO-3's weights as sharded only."""
-    b = dict(bytes_per_param)
-    out = zero_bytes(units, world_size, 2 if stage == 3 else stage, dict(b, weights=0))
-    n = sum(units)
-    w = b["weights"] * n / (world_size if stage == 3 else 1)
-    return {"steady": out["steady"] + w, "peak": out["peak"] + w}
-
-
-def zero_bytes_course(units, world_size, stage, bytes_per_param):
-    """A cheat: the course's model."""
+def course_peak(units, world_size, states, flowing, loss, prefetch):
+    """A cheat: the course's zero3_peak."""
     from distlab import zero_memory
-    out = zero_bytes(units, world_size, stage, bytes_per_param)
-    out["peak"] = zero_memory.zero3_peak([dict(weights=0, grad=0, grad_shard=0, acts=0)], 0)["peak"]
-    return out
+    zero_memory.zero3_peak([dict(u, grad_shard=u["grad"] / world_size) for u in units], states)
+    return {"peak": 0.0, "unit": None}
 
 
-def test_zero_bytes_accepts_right_answers_however_written(capsys):
-    ch06.check_zero_bytes(zero_bytes)
-    ch06.check_zero_bytes(zero_bytes_per_term)
-    assert capsys.readouterr().out.count("✅") == 2
+def largest_unit_only(units, world_size, states, flowing, loss, prefetch):
+    """A decoy: compares the turn with the backward of the unit with the largest gradient only."""
+    out = no_reshard_peak(units, world_size, states, flowing, loss, prefetch)
+    i = max(range(len(units)), key=lambda k: units[k]["grad"])
+    there = (states + sum(u["grad"] for u in units[i:]) / world_size
+             + sum(u["acts"] for u in units[:i]) + sum(u["weights"] for u in units[:i + 1])
+             + units[i]["grad"] + (flowing if i == 0 else 2 * flowing))
+    turn = states + sum(u["weights"] + u["acts"] for u in units) + loss + flowing
+    return {"peak": max(there, turn), "unit": out["unit"]}
 
 
-def test_zero_bytes_names_the_term_that_is_off():
-    with pytest.raises(CheckFailed, match=r"stage=3, \.\.\.\): your peak count of the gradients "
-                                          r"is off .* this unit's FULL gradient"):
-        ch06.check_zero_bytes(zero_bytes_no_full_gradient)
-    with pytest.raises(CheckFailed, match=r"your peak count of the weights is off — .* one "
-                                          r"unit's full weights, gathered"):
-        ch06.check_zero_bytes(zero_bytes_no_gathered_layer)
-    with pytest.raises(CheckFailed, match=r"your function called the course's own zero3_peak; "
-                                          r"the exercise is to write the count yourself"):
-        ch06.check_zero_bytes(zero_bytes_course)
-    with pytest.raises(CheckFailed, match=r"should return a dict with the keys 'steady' and "
-                                          r"'peak'"):
-        ch06.check_zero_bytes(lambda *a: 3.0)
+def right_peak_wrong_moment(units, world_size, states, flowing, loss, prefetch):
+    """A decoy: the right number, placed at the last unit's backward whatever the step."""
+    return {"peak": no_reshard_peak(units, world_size, states, flowing, loss, prefetch)["peak"],
+            "unit": len(units) - 1}
+
+
+def test_no_reshard_peak_battery():
+    said = battery(ch06.check_no_reshard_peak, correct=[no_reshard_peak],
+                   different=[no_reshard_every_moment], wrong=[resharded_peak],
+                   cheat=[course_peak], decoy=[largest_unit_only, right_peak_wrong_moment])
+    assert "units 0.." in said["wrong"][0] or "every unit's weights" in said["wrong"][0]
+    assert "course's own zero3_peak" in said["cheat"][0]
+    assert "the peak is right but you place it at" in said["decoy"][1]
+
+
+def test_no_reshard_cases_are_not_one_moment():
+    # a constant or a "largest unit" rule cannot pass: the peaks fall at the turn, at the last
+    # unit's backward and at an earlier one's, over world sizes 2, 3 and 5
+    moments = [max(m, key=m.get) for m in (ch06._no_reshard_moments(*c)
+                                           for c in ch06.NO_RESHARD_CASES)]
+    kinds = {("turn" if k[0] == "turn" else "last" if k[1] == len(c[0]) - 1 else "earlier")
+             for k, c in zip(moments, ch06.NO_RESHARD_CASES) if len(c[0]) > 1}
+    assert kinds == {"turn", "last", "earlier"}
+    assert {c[1] for c in ch06.NO_RESHARD_CASES} == {2, 3, 5}
+    assert len({round(max(ch06._no_reshard_moments(*c).values()), 6)
+                for c in ch06.NO_RESHARD_CASES}) == len(ch06.NO_RESHARD_CASES)
 
 
 def test_stubs_are_reported_as_not_written():
@@ -413,8 +486,8 @@ def test_stubs_are_reported_as_not_written():
     class Stub(torch.autograd.Function):
         forward = staticmethod(lambda ctx, *args: stub())
         backward = staticmethod(lambda ctx, *args: stub())
-    for check, fn in ((ch06.check_zero1_step, stub), (ch06.check_zero3_layer, Stub),
-                      (ch06.check_zero_bytes, stub)):
+    for check, fn in ((ch06.check_flat_zero_step, stub), (ch06.check_zero3_layer, Stub),
+                      (ch06.check_no_reshard_peak, stub)):
         with pytest.raises(NotImplementedError, match="is not written yet"):
             check(fn)
 
@@ -573,6 +646,23 @@ def test_llama_count_is_what_a_llama_block_saves():
         zero_memory.llama_activations(4096, 1, 4096, 32, 11008, recompute="selective")
 
 
+def test_the_fused_norm_keeps_its_input_in_its_dtype_and_rstd():
+    # FusedRmsNormBackward0 saves input, weight (a parameter) and result1 (1/rms, float32 per
+    # row): the two norms keep 2·(v·s·b·h + 4·s·b) instead of 2·(2·4·s·b·h + 4·s·b)
+    from distlab import zero_memory
+    s, b, h, a, f = 512, 2, 256, 4, 688
+    for v in (2, 4):
+        comp = zero_memory.llama_activations(s, b, h, a, f, v)
+        fused = zero_memory.llama_activations(s, b, h, a, f, v, norm="fused")
+        assert sum(comp.values()) - sum(fused.values()) == 2 * (2 * 4 - v) * s * b * h
+        assert fused["RMSNorm (fused): input in its dtype, 1/rms in float32 (two norms)"] == \
+            2 * (v * s * b * h + 4 * s * b)
+    assert zero_memory.llama_activations(s, b, h, a, f, recompute="full", norm="fused") == \
+        zero_memory.llama_activations(s, b, h, a, f, recompute="full")
+    with pytest.raises(ValueError, match="norm must be one of"):
+        zero_memory.llama_activations(s, b, h, a, f, norm="apex")
+
+
 def test_zero3_peak_walks_the_moments():
     from distlab import zero_memory
     u = dict(weights=10.0, grad=10.0, grad_shard=5.0, acts=1.0)
@@ -653,12 +743,17 @@ def test_course_zero3_peak_is_the_count():
 def test_chapter_06_prose_numbers_are_computed():
     from distlab import hardware, zero_memory
     from distlab.emulate import PRESETS
+    # the accounting and the peak are chapter 06's; prefetch and the published run, 06b's
     prose, outputs = _notebook("06_memory_and_zero.ipynb")
+    prose_b, outputs_b = _notebook("06b_zero3_at_scale.ipynb")
     L2 = zero_memory.LLAMA2_7B
     h, a, f = L2["hidden"], L2["heads"], L2["ffn"]
     per = sum(zero_memory.llama_activations(2048, 1, h, a, f).values()) / (2048 * h)
     assert f"{per:.1f} bytes per token and hidden unit" in prose
     assert f"{per:.1f}·s·b·h for an eager Llama-2 7B block" in prose
+    fused = sum(zero_memory.llama_activations(2048, 1, h, a, f, norm="fused").values()) / (2048 * h)
+    assert per - fused == 12 and f"On a GPU, with the fused norm, it is {fused:.1f}" in prose
+    assert f"{fused:.1f}·s·b·h on a GPU where `nn.RMSNorm` is fused" in prose
 
     def gb(x):
         return f"{x / memory.GB:.1f} GB"
@@ -687,26 +782,26 @@ def test_chapter_06_prose_numbers_are_computed():
     hide = {p: zero_memory.hiding_tokens(PRESETS[p], n)
             for p, n in (("h100-node", 8), ("h100-2x8", 16), ("h100-ib", 2), ("h100-cluster", 64))}
     assert hide["h100-node"] == hide["h100-2x8"] == hide["h100-cluster"] == 2048
-    assert hide["h100-ib"] == 8192 and "needs 8192 tokens per GPU" in prose
-    assert "hide from 2048 tokens per GPU on" in prose and "about 2048 tokens per GPU" in prose
+    assert hide["h100-ib"] == 8192 and "needs 8192 tokens per GPU" in prose_b
+    assert "hide from 2048 tokens per GPU on" in prose_b and "about 2048 tokens per GPU" in prose_b
     assert PRESETS["h100-2x8"].link_between(range(16)).bandwidth == 370e9 == \
         PRESETS["h100-node"].intra.bandwidth
     assert PRESETS["h100-ib"].link_between([0, 1]).bandwidth == 47e9
-    assert "370 GB/s either way" in prose and "gets 47 GB/s" in prose
+    assert "370 GB/s either way" in prose_b and "gets 47 GB/s" in prose_b
     # the published run beside the closed form
     llama3_8b = hardware.Transformer(32, 4096, 32, 14336, 128256, 8, True)
     titan = hardware.step_seconds(llama3_8b, PRESETS["a100-cluster"], 64, 64, 8192,
                                   recompute="selective-op", fsdp=True, fused=False)
-    assert "2,973 tokens/s per GPU" in prose
-    assert f"model {64 * 8192 / titan['step'] / 64:,.0f}" in outputs
+    assert "2,973 tokens/s per GPU" in prose_b
+    assert f"model {64 * 8192 / titan['step'] / 64:,.0f}" in outputs_b
     assert titan["dp"] < titan["step"]
     # the emulated and CPU numbers the prose quotes are the stored outputs (nbval re-runs them)
     import re
-    ratios = re.findall(r"off/on: emulated (\d\.\d\d), closed form (\d\.\d\d)", outputs)
+    ratios = re.findall(r"off/on: emulated (\d\.\d\d), closed form (\d\.\d\d)", outputs_b)
     assert len(ratios) == 2
     (e1, m1), (e2, m2) = ratios
-    assert f"off/on {e1} against {m1} inside a node, {e2} against {m2} across nodes" in prose
-    assert f"about {float(e1) - 1:.0%}".replace("%", " %") in prose
+    assert f"off/on {e1} against {m1} inside a node, {e2} against {m2} across nodes" in prose_b
+    assert f"about {float(e1) - 1:.0%}".replace("%", " %") in prose_b
     assert outputs.count("within 2e-03: True") == 2 and "within 0.2 %" in prose
     assert outputs.count("NOT within 2e-03") == 2 and "tracked peak is higher" in prose
 
@@ -746,6 +841,17 @@ def test_the_widget_counts_llama_as_the_chapter_does():
     assert "70B with its grouped-query attention, 8 K/V heads for 64 query heads" in prose
     with pytest.raises(ValueError, match="recompute must be one of"):
         memory.preset_activation_bytes("Llama-2 7B", checkpointing="half")
+    # the step's peak the widget draws: where the course counts it, and only there
+    kw = dict(precision="bf16-mixed", optimizer="adam", zero_stage=3, world_size=64,
+              seq_len=4096, micro_batch=1, checkpointing="full", attention="flash")
+    assert zero_memory.preset_zero3_peak("Llama-2 7B", **kw) == \
+        zero_memory.llama_zero3_peak(64, 4096, recompute="full")["peak"]
+    assert zero_memory.preset_zero3_peak("Llama-2 13B", **dict(kw, checkpointing="selective")) \
+        == zero_memory.llama_zero3_peak(64, 4096, shape=zero_memory.LLAMA2_13B)["peak"]
+    for model, change in (("GPT-3 175B", {}), ("Llama-2 70B", {}), ("Llama-2 7B", {"zero_stage": 2}),
+                          ("Llama-2 7B", {"attention": "materialized"})):
+        assert zero_memory.preset_zero3_peak(model, **dict(kw, **change)) is None
+    assert "and the widget draws it, a dotted line, for ZeRO-3 of the Llama-2 7B and 13B" in prose
 
 
 def test_bytes_per_parameter_conventions():
@@ -763,7 +869,7 @@ def test_bytes_per_parameter_conventions():
 
 def test_the_prefetch_figure_says_what_the_prose_says():
     import re
-    prose, outputs = _notebook("06_memory_and_zero.ipynb")
+    prose, outputs = _notebook("06b_zero3_at_scale.ipynb")
     found = re.search(r"prefetch off -> on: forward (\d+\.\d) -> (\d+\.\d) ms, backward "
                       r"(\d+\.\d) -> (\d+\.\d) ms", outputs)
     f0, f1, b0, b1 = map(float, found.groups())

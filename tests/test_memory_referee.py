@@ -58,14 +58,14 @@ def test_the_referee_refuses_a_process_with_a_process_group():
         dist.destroy_process_group()
 
 
-def test_chapter_06_quotes_the_referee_as_it_ran():
-    """The prose of chapter 06's section on the tracker quotes the stored outputs of its 7B cell
+def test_chapter_06b_quotes_the_referee_as_it_ran():
+    """The prose of chapter 06b's section on the tracker quotes the stored outputs of its 7B cell
     (nbval re-runs the cell, so these are the numbers a run prints)."""
     import json
     import pathlib
     import re
     nb = json.loads((pathlib.Path(__file__).parent.parent / "notebooks"
-                     / "06_memory_and_zero.ipynb").read_text())
+                     / "06b_zero3_at_scale.ipynb").read_text())
     prose = " ".join(" ".join("".join(c["source"]) for c in nb["cells"]
                               if c["cell_type"] == "markdown").split())
     out = next("".join(o.get("text", "")) for c in nb["cells"] if c["cell_type"] == "code"

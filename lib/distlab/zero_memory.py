@@ -88,9 +88,79 @@ def llama_params(layers, hidden, heads, ffn, vocab):
     return layers * llama_block_params(hidden, ffn) + 2 * vocab * hidden + hidden
 
 
-# llama_activations lives in distlab.memory (the calculator's presets count a Llama block with
-# it, and memory must not import this module); it is this module's too.
-llama_activations = memory.llama_activations
+# The count lives in distlab.memory (the calculator's presets count a Llama block with it, and
+# memory must not import this module); this module names which RMSNorm kernel ran.
+NORM_KERNELS = ("composite", "fused")
+
+
+def llama_activations(seq_len, batch, hidden, heads, ffn, bytes_per_value=2, recompute="none",
+                      kv_heads=None, norm="composite"):
+    """memory.llama_activations, for the RMSNorm kernel that ran.
+
+    norm="composite": what this CPU build runs (and HF's LlamaRMSNorm, which casts to float32
+    by hand): each norm keeps its input and its normalised value in float32, and 1/rms.
+    norm="fused": torch.rms_norm on a CUDA tensor whose weight has the input's dtype calls
+    aten::_fused_rms_norm, whose autograd node (FusedRmsNormBackward0) saves only the input in
+    its own dtype, the weight (a parameter, not an activation) and 1/rms per token in float32:
+    12·s·b·h bytes less per block in bf16. Counted from that node's saved tensors, not measured
+    here (a CPU build has no CUDA kernel to run)."""
+    parts = memory.llama_activations(seq_len, batch, hidden, heads, ffn, bytes_per_value,
+                                     recompute, kv_heads)
+    if norm not in NORM_KERNELS:
+        raise ValueError(f"norm must be one of {NORM_KERNELS}; got {norm!r}.")
+    key = "RMSNorm: input and normalised value in float32, 1/rms (two norms)"
+    if norm == "fused" and key in parts:
+        sb = seq_len * batch
+        parts = {("RMSNorm (fused): input in its dtype, 1/rms in float32 (two norms)"
+                  if k == key else k): (2 * (bytes_per_value * sb * hidden + 4 * sb)
+                                        if k == key else v) for k, v in parts.items()}
+    return parts
+
+
+def saved_bytes(module, fn):
+    """{storage: (shape, bytes)} of the non-weight tensors autograd saves while fn() runs: what
+    the forward keeps for backward, each storage once (a view saved twice costs one storage)."""
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in weights and key not in seen:
+            seen[key] = (tuple(t.shape), t.untyped_storage().nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return seen
+
+
+def saved_and_recomputed(model, idx, targets, use_checkpoint):
+    """(bytes autograd saved, block forwards run, loss) of one forward + backward of a TinyGPT
+    (distlab.models), each block wrapped in torch.utils.checkpoint when use_checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+
+    from . import models
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}  # weights: not activations
+    saved, calls = [0], [0]
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            saved[0] += t.untyped_storage().nbytes()
+        return t
+    hooks = [b.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+             for b in model.blocks]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            h = model.tok(idx) + model.pos(torch.arange(idx.shape[1]))
+            for block in model.blocks:
+                h = checkpoint(block, h, use_reentrant=False) if use_checkpoint else block(h)
+            loss = models.lm_loss(model.head(model.ln_f(h)), targets)
+        loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return saved[0], calls[0], loss.item()
 
 
 # ---- peak memory, moment by moment ------------------------------------------------------------
@@ -174,6 +244,26 @@ def llama_zero3_peak(world_size, seq_len, micro_batch=1, prefetch=True, recomput
             u["work"] = full_acts - kept
     loss = tokens * V * (2 + 4 + 4)
     return zero3_peak(units, states, prefetch, flowing=2 * tokens * h, loss=loss)
+
+
+# Llama-2 13B: Touvron et al. 2023, table 1, and config.json of meta-llama/Llama-2-13b-hf.
+LLAMA2_13B = dict(layers=40, hidden=5120, heads=40, ffn=13824, vocab=32000)
+_PEAK_PRESETS = {"Llama-2 7B": LLAMA2_7B, "Llama-2 13B": LLAMA2_13B}
+
+
+def preset_zero3_peak(model, precision, optimizer, zero_stage, world_size, seq_len, micro_batch,
+                      checkpointing, attention):
+    """The step's peak (llama_zero3_peak, prefetch on) for the calculator's settings where that
+    count applies — a Llama-2 7B or 13B preset (no grouped-query attention), ZeRO-3, bf16 mixed
+    precision with Adam, flash attention — else None: the calculator then shows the steady state
+    alone, a lower bound."""
+    recompute = {False: "none", None: "none", True: "full", "selective": "none"}.get(
+        checkpointing, checkpointing)      # flash attention: selective recomputes nothing more
+    if (model not in _PEAK_PRESETS or zero_stage != 3 or precision != "bf16-mixed"
+            or optimizer != "adam" or attention != "flash"):
+        return None
+    return llama_zero3_peak(world_size, seq_len, micro_batch, prefetch=True,
+                            recompute=recompute, shape=_PEAK_PRESETS[model])["peak"]
 
 
 # ---- a tracked allocation peak on real CPU tensors ----------------------------------------------

@@ -42,7 +42,9 @@ def memory_bars(columns, capacity=None, capacity_label="one 80 GB GPU", unit=1e9
 def memory_calculator():
     """A widget: pick a model, precision, optimizer, ZeRO stage, GPUs, sequence and batch,
     activation recomputation (none / selective / full) and the attention kernel (flash, or
-    materialized s×s scores); see what one GPU holds and whether it fits in 80 GB."""
+    materialized s×s scores); see what one GPU holds at rest and whether it fits in 80 GB — and,
+    for ZeRO-3 of a Llama-2 7B/13B preset in bf16 with Adam, the step's peak
+    (zero_memory.preset_zero3_peak), which decides."""
     import ipywidgets as w
 
     from .. import memory
@@ -63,11 +65,25 @@ def memory_calculator():
     )
 
     def draw_on(ax, **kw):
+        from .. import zero_memory
         parts = memory.per_gpu_bytes(**kw)
         total = sum(parts.values())
-        verdict = "fits" if total <= 80 * memory.GB else "does NOT fit"
-        memory_bars({"one GPU": parts}, capacity=80 * memory.GB, ax=ax,
-                    title=f"{total / memory.GB:,.1f} GB per GPU: {verdict} in 80 GB")
+        # the step's worst moment where the course counts it (ZeRO-3 on a Llama-2 preset), else
+        # the steady state alone, which is a lower bound
+        peak = zero_memory.preset_zero3_peak(**kw)
+        worst = total if peak is None else max(total, peak)
+        verdict = "fits" if worst <= 80 * memory.GB else "does NOT fit"
+        title = (f"{total / memory.GB:,.1f} GB per GPU at rest (a lower bound): {verdict}"
+                 if peak is None else
+                 f"{total / memory.GB:,.1f} GB at rest, peak {peak / memory.GB:,.1f} GB: "
+                 f"{verdict}")
+        ax = memory_bars({"one GPU": parts}, capacity=80 * memory.GB, ax=ax, title=title)
+        if peak is not None:
+            ax.axhline(peak / memory.GB, color="#C44E52", linestyle=":", linewidth=1.5)
+            ax.text(1.01, peak / memory.GB, "the step's peak\n(ZeRO-3, counted)", va="top",
+                    ha="left", fontsize=8, color="#C44E52",
+                    transform=blended_transform_factory(ax.transAxes, ax.transData))
+            ax.set_ylim(top=max(ax.get_ylim()[1], peak / memory.GB * 1.12))
 
     def draw(**kw):
         draw_on(None, **kw)
@@ -86,3 +102,35 @@ def memory_calculator():
     import textwrap
     note = "\n".join(textwrap.wrap(f"{NOTE} Shown: {settings}.", 62))
     display_widget(widget, figure_png(fig, note=note))
+
+
+ZERO3_LANES = {"compute": (2, "#8c8c8c"), "all_gather": (1, "#4C72B0"),
+               "reduce_scatter": (0, "#DD8452")}
+
+
+def zero3_lanes(ax, trace, rank, marks, title):
+    """One rank's compute, all-gathers and reduce-scatters, each in its lane, between marks =
+    (start, turn to backward, end) in the trace's clock; forward shaded blue, backward orange;
+    x in ms from start."""
+    t0, turn, t1 = marks
+
+    def ms(t):
+        return (t - t0) * 1e3
+    ax.axvspan(0, ms(turn), color="#eef2f8", zorder=0)
+    ax.axvspan(ms(turn), ms(t1), color="#fbf3ec", zorder=0)
+    spans = [("compute", s["start"], s["end"]) for s in trace.compute(rank)
+             if s["name"] == "compute"]
+    spans += [(e["op"], e["start"], e["end"]) for e in trace.comm(rank) if e["op"] in ZERO3_LANES]
+    for kind, a, b in spans:
+        if t0 <= a < t1:
+            lane, color = ZERO3_LANES[kind]
+            ax.broken_barh([(ms(a), ms(b) - ms(a))], (lane - 0.35, 0.7), color=color)
+    ax.set_yticks([2, 1, 0], ["compute", "all-gather\n(weights)", "reduce-scatter\n(gradients)"],
+                  fontsize=9)
+    ax.text(ms(turn) / 2, 2.55, f"forward {ms(turn):.1f} ms", ha="center", fontsize=9)
+    ax.text((ms(turn) + ms(t1)) / 2, 2.55, f"backward {ms(t1) - ms(turn):.1f} ms", ha="center",
+            fontsize=9)
+    ax.set_ylim(-0.6, 2.9)
+    ax.set_xlim(0, ms(t1))
+    ax.set_title(title, fontsize=10)
+    return ax
