@@ -457,13 +457,13 @@ def test_hta_agrees_on_overlap_and_idle(tmp_path):
         assert temporal.loc[rank, "idle_time(us)"] == pytest.approx(o["idle"] * 1e6, abs=0.01)
 
 
-# ---- chapter 11 §3c: the stored Perfetto picture and what the prose reads off it ---------------------
+# ---- chapter 11b §4: the stored Perfetto picture and what the prose reads off it ---------------------
 
 PICTURE = Path(__file__).resolve().parent.parent / "notebooks" / "images" / "perfetto_ddp_profile.png"
 
 
 def _ms(seconds):
-    """As Perfetto prints a duration (and chapter 11 with it): whole ns, 4 significant digits."""
+    """As Perfetto prints a duration (and chapter 11b with it): whole ns, 4 significant digits."""
     return f"{round(seconds * 1e9) / 1e6:.4g} ms"
 
 
@@ -471,6 +471,7 @@ def test_ch11_perfetto_picture_is_of_todays_export_and_its_numbers_are_quoted(sh
     import hashlib
     import nbformat
     from PIL import Image
+    from distlab import debug
     # The picture (tools/screenshot_trace.py) stamps the sha256 of the export it shows: a change
     # of the export or of the shipped trace makes it stale. Re-run the tool then.
     export = shipped.to_chrome(tmp_path / "ddp_profile.trace.json")
@@ -478,7 +479,7 @@ def test_ch11_perfetto_picture_is_of_todays_export_and_its_numbers_are_quoted(sh
     stamp = Image.open(PICTURE).text["distlab-export-sha256"]
     assert stamp == hashlib.sha256(export.read_bytes()).hexdigest(), \
         "notebooks/images/perfetto_ddp_profile.png is stale: run tools/screenshot_trace.py"
-    nb = nbformat.read(PICTURE.parent.parent / "11_debugging.ipynb", as_version=4)
+    nb = nbformat.read(PICTURE.parent.parent / "11b_performance.ipynb", as_version=4)
     text = " ".join(c.source for c in nb.cells if c.cell_type == "markdown").replace("\n", " ")
     assert "](images/perfetto_ddp_profile.png)" in text
     back = from_chrome(export)
@@ -494,6 +495,9 @@ def test_ch11_perfetto_picture_is_of_todays_export_and_its_numbers_are_quoted(sh
         assert inside == pytest.approx(o["overlapped"], abs=1e-12)
         read[r] = dict(window=last - first, total=sum(b - a for a, b in transfers),
                        inside=inside, **o)
+        ruler = debug.ruler_reading(back, r)             # what the chapter's cell prints
+        assert (ruler["window"], ruler["slices"], ruler["compute_inside"]) == pytest.approx(
+            (read[r]["window"], read[r]["total"], inside), abs=1e-12)
     one, zero = read[1], read[0]
     assert one["total"] > one["window"]                 # two transfers in flight at once
     assert zero["inside"] == 0
@@ -505,7 +509,23 @@ def test_ch11_perfetto_picture_is_of_todays_export_and_its_numbers_are_quoted(sh
               f"nothing of its {_ms(zero['window'])} is hidden")
     for q in quoted:
         assert q in text, q
-    # §3a's pointer: rank 1 reached backward first; its first all-reduce outlasted rank 0's launch
+    # §4c: rank 0's 8.93 ms are mostly its own late records: the ends of the same calls on the
+    # two ranks, the cut at the group's first end, and what is left, as the prose quotes them
+    tails = [c["tail"] for c in debug.completion_skew(shipped)]
+    assert all(t[1] == 0 for t in tails)                          # rank 1 always ends first
+    late = [t[0] for t in tails if t[0] > 1e-3]
+    assert len(late) == 2 and tails[0][0] in late and tails[-1][0] in late
+    cut0, cut1 = (debug.communication_until_group_done(shipped, r) for r in (0, 1))
+    assert cut0["comm"] + cut0["tail"] == pytest.approx(zero["comm"], abs=1e-12)
+    assert cut0["overlapped"] == 0 and cut1["tail"] == 0
+    assert cut1["comm"] == pytest.approx(one["comm"], abs=1e-12)
+    quoted = (f"end {late[0] * 1e3:.1f} and {late[1] * 1e3:.1f} ms after rank 1's ends of the same",
+              f"rank 0 communicated for {_ms(cut0['comm'])}, all of it exposed; the other "
+              f"{_ms(cut0['tail'])} of its {_ms(zero['window'])} are its own thread being late",
+              f"its {_ms(one['window'])} are real waiting")
+    for q in quoted:
+        assert q in text, q
+    # §1's pointer: rank 1 reached backward first; its first all-reduce outlasted rank 0's launch
     first0, first1 = shipped.comm(0)[0], shipped.comm(1)[0]
     assert first1["launch"] < first0["launch"] < first1["end"]
     assert "rank 1 reached backward first, and its first all-reduce stayed in flight until " \

@@ -1,13 +1,18 @@
 """Chapter 11: the detectors find each bug class, the correct loop equals one process, and the
 workbook's checkers pass the fixes and reject the broken versions with the right sentence."""
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import distlab
 from distlab import debug
-from distlab.checks import CheckFailed, ch11
+from distlab.checks import ch11
 from distlab.models import make_mlp
+
+from checker_battery import battery
 
 T = 120
 
@@ -200,11 +205,11 @@ def _straggler_lesson(rank, world_size):
 
 
 def test_ch11_straggler_numbers_are_the_emulated_runs():
-    # Every number chapter 11's straggler prose quotes, re-computed on the calibrated preset.
+    # Every number chapter 11b's straggler prose quotes, re-computed on the calibrated preset.
     import pathlib
     import nbformat
     from distlab import cost, emulate
-    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "11_debugging.ipynb"
+    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "11b_performance.ipynb"
     text = " ".join(c.source for c in nbformat.read(path, as_version=4).cells
                     if c.cell_type == "markdown").replace("\n", " ")
     equal, slow = zip(*distlab.run(_straggler_lesson, 8, emulate="h100-node", timeout=T))
@@ -233,8 +238,19 @@ def test_ch11_straggler_numbers_are_the_emulated_runs():
         assert q in text, q
 
 
-# ---- the workbook's checkers: for each, a differently written answer passes, a wrong structure and
-# ---- a cheat fail with the right sentence (the solutions themselves pass under nbval) -----------
+# ---- the workbook's checkers, each through the battery (tests/checker_battery.py): the solution
+# ---- and a differently written answer pass; a wrong one, a cheat and a decoy are refused, each in
+# ---- one sentence (the solutions themselves also pass under nbval) ------------------------------
+
+def report_reduced(loss, rank, world_size):
+    # The workbook's way: a sum, a max, and the lowest rank offering the max.
+    total, top = loss.detach().clone(), loss.detach().clone()
+    dist.all_reduce(total)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    offer = torch.tensor(rank if loss.item() == top.item() else world_size)
+    dist.all_reduce(offer, op=dist.ReduceOp.MIN)
+    return total.item() / world_size, offer.item()
+
 
 def report_gathered(loss, rank, world_size):
     # Differently written: gather every loss, argmax takes the first maximum.
@@ -253,53 +269,162 @@ def report_own_guess(loss, rank, world_size):
     return total / world_size, rank if loss == top else -1
 
 
+def report_highest_on_tie(loss, rank, world_size):
+    # Decoy: right whenever one rank holds the largest loss; on a tie it names the highest rank.
+    total, top = loss.detach().clone(), loss.detach().clone()
+    dist.all_reduce(total)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    offer = torch.tensor(rank if loss.item() == top.item() else -1)
+    dist.all_reduce(offer, op=dist.ReduceOp.MAX)
+    return total.item() / world_size, offer.item()
+
+
 def report_cheat(loss, rank, world_size):
     return ch11._expected_report([loss.item()] * world_size)
 
 
-def test_loss_report_checker(capsys):
-    ch11.check_loss_report(report_gathered)
-    assert capsys.readouterr().out.count("✅") == 1
-    with pytest.raises(CheckFailed, match=r"report_own_guess with world_size=2, case 'every "
-                                          r"rank's loss different', rank \d: worst rank -1, "
-                                          r"expected \d"):
-        ch11.check_loss_report(report_own_guess, seed=1)
-    with pytest.raises(CheckFailed, match=r"checker's own _expected_report \(distlab/checks/"
-                                          r"ch11.py\)"):
-        ch11.check_loss_report(report_cheat)
+def report_objects(loss, rank, world_size):
+    # A cheat: the losses pickled through an object collective.
+    losses = [None] * world_size
+    dist.all_gather_object(losses, loss.item())
+    return sum(losses) / world_size, losses.index(max(losses))
 
 
-def uneven_two_passes(model, n_local):
-    # Differently written: the total count first, then each gradient scaled and summed.
-    n = torch.tensor(float(n_local), dtype=torch.float64)
-    dist.all_reduce(n)
+def test_loss_report_checker():
+    said = battery(ch11.check_loss_report, correct=[report_reduced], different=[report_gathered],
+                   wrong=[report_own_guess], cheat=[report_cheat, report_objects],
+                   decoy=[report_highest_on_tie])
+    assert re.search(r"world_size=2, case 'every rank's loss different', rank \d: worst rank -1",
+                     said["wrong"][0])
+    assert "checker's own _expected_report" in said["cheat"][0]
+    assert "all_gather_object" in said["cheat"][1]
+    assert "case 'a tie for the largest loss'" in said["decoy"][0]
+
+
+def accumulate(model, micro_batches):
+    # The workbook's way: the global count first, each micro-batch weighted n_i / N, one sum.
+    total = torch.tensor(float(sum(len(x) for x, _ in micro_batches)), dtype=torch.float64)
+    dist.all_reduce(total)
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y) * (len(x) / total)).backward()
     for p in model.parameters():
-        p.grad *= n_local / n
         dist.all_reduce(p.grad)
 
 
-def uneven_plain_mean(model, n_local):
+def accumulate_packed(model, micro_batches):
+    # Differently written: summed losses, the count packed with the gradients in one message.
+    n = 0
+    for x, y in micro_batches:
+        F.mse_loss(model(x), y, reduction="sum").div(y.shape[1]).backward()
+        n += len(x)
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads] + [grads[0].new_tensor([float(n)])])
+    dist.all_reduce(flat)
+    for g, part in zip(grads, flat[:-1].split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g) / flat[-1])
+
+
+def accumulate_gathered_grads(model, micro_batches):
+    # Differently written: every rank's weighted gradients all-gathered and added locally.
+    n = torch.tensor([float(sum(len(x) for x, _ in micro_batches))], dtype=torch.float64)
+    counts = [torch.empty_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, n)
+    total = sum(counts).item()
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y) * len(x) / total).backward()
+    for p in model.parameters():
+        parts = [torch.empty_like(p.grad) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, p.grad)
+        p.grad.copy_(sum(parts))
+
+
+def accumulate_given(model, micro_batches):
+    # Wrong: the workbook's loop, every micro-batch weighted alike.
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y) / len(micro_batches)).backward()
     for p in model.parameters():
         dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
 
 
-def uneven_copied_course_code(model, n_local):
-    # A cheat: the course's file loaded again under another name (new function objects).
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("distlab._again", debug.__file__)
-    again = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(again)
-    again.average_gradients(model)
+def accumulate_per_rank(model, micro_batches):
+    # Decoy: right within a rank, and right whenever the ranks hold equal totals.
+    n = sum(len(x) for x, _ in micro_batches)
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y) * len(x) / n).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
 
 
-def test_uneven_average_checker(capsys):
-    ch11.check_uneven_average(uneven_two_passes)
-    assert capsys.readouterr().out.count("✅") == 1
-    with pytest.raises(CheckFailed, match=r"world_size=2 \(shards of 6\+5 samples\): rank 0's "
-                                          r"gradient at step 0 is the plain mean"):
-        ch11.check_uneven_average(uneven_plain_mean)
-    with pytest.raises(CheckFailed, match="course's own average_gradients"):
-        ch11.check_uneven_average(uneven_copied_course_code)
+def accumulate_gathers_samples(model, micro_batches):
+    # A cheat: a copy of every rank's samples instead of a message of gradients (right values).
+    x = torch.cat([x for x, _ in micro_batches])
+    y = torch.cat([y for _, y in micro_batches])
+    xy = torch.cat([x, y], dim=1)
+    n = torch.tensor([len(x)])
+    ns = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(ns, n)
+    m = int(max(ns))
+    padded = torch.cat([xy, xy.new_zeros(m - len(xy), xy.shape[1])])
+    every = [torch.empty_like(padded) for _ in ns]
+    dist.all_gather(every, padded)
+    whole = torch.cat([e[:int(k)] for e, k in zip(every, ns)])
+    F.mse_loss(model(whole[:, :x.shape[1]]), whole[:, x.shape[1]:]).backward()
+
+
+def accumulate_course_code(model, micro_batches):
+    # A cheat: the course's own averaging.
+    for x, y in micro_batches:
+        F.mse_loss(model(x), y).backward()
+    debug.average_gradients(model)
+
+
+def accumulate_objects(model, micro_batches):
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, sum(len(x) for x, _ in micro_batches))
+    for x, y in micro_batches:
+        (F.mse_loss(model(x), y) * len(x) / sum(counts)).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def test_accumulation_checker():
+    said = battery(ch11.check_accumulation, correct=[accumulate],
+                   different=[accumulate_packed, accumulate_gathered_grads],
+                   wrong=[accumulate_given],
+                   cheat=[accumulate_gathers_samples, accumulate_course_code, accumulate_objects],
+                   decoy=[accumulate_per_rank])
+    assert "weighs every micro-batch alike" in said["wrong"][0]
+    assert "send the gradients (an all-reduce), not the samples or a copy" in said["cheat"][0]
+    assert "course's own average_gradients" in said["cheat"][1]
+    assert "all_gather_object" in said["cheat"][2]
+    assert "case 'the ranks' last micro-batches differ'" in said["decoy"][0]
+    assert "divide by the global count N" in said["decoy"][0]
+
+
+def test_accumulation_sizes_are_drawn_afresh_and_no_constant_matches():
+    # Short last micro-batches, equal totals in one case and pairwise different in the other.
+    for ws in (2, 3):
+        seen = set()
+        for seed in range(20):
+            same, differ = ch11._acc_sizes(ws, seed)
+            assert len({tuple(s) for s in same}) == 1 and same[0][-1] < same[0][0]
+            assert len({sum(s) for s in differ}) == ws
+            assert all(s[-1] < s[0] for s in differ)
+            seen.add(tuple(map(tuple, differ)))
+        assert len(seen) > 5
+
+
+def sync_state_sorted(model):
+    # The workbook's way: one flat buffer per dtype, dtypes sorted by name.
+    groups = {}
+    for t in model.state_dict().values():
+        groups.setdefault(t.dtype, []).append(t)
+    for dtype in sorted(groups, key=str):
+        flat = torch.cat([t.reshape(-1) for t in groups[dtype]])
+        dist.broadcast(flat, src=0)
+        with torch.no_grad():
+            for t, part in zip(groups[dtype], flat.split([t.numel() for t in groups[dtype]])):
+                t.copy_(part.view_as(t))
 
 
 def sync_state_flattened(model):
@@ -324,32 +449,68 @@ def sync_parameters_only(model):
 
 
 def sync_state_per_tensor(model):
+    # Decoy: every value right, one message per tensor.
     for t in model.state_dict().values():
         dist.broadcast(t, 0)
 
 
-def test_sync_state_checker(capsys):
-    ch11.check_sync_state(sync_state_flattened)
-    assert capsys.readouterr().out.count("✅") == 1
-    with pytest.raises(CheckFailed, match=r"rank 1's buffer 1.running_mean is not rank 0's. "
-                                          r"Buffers are state too"):
-        ch11.check_sync_state(sync_parameters_only)
-    with pytest.raises(CheckFailed, match=r"rank 0 made 9 broadcasts, one per tensor; the state "
-                                          r"holds 9 tensors of 2 dtypes \(float32, int64\)"):
-        ch11.check_sync_state(sync_state_per_tensor)
-    with pytest.raises(CheckFailed, match="course's own broadcast_parameters"):
-        ch11.check_sync_state(debug.broadcast_parameters)
+def sync_state_rebuilt(model):
+    # A cheat: rank 0's state rebuilt from its recipe (seed 0, one batch), nothing sent.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        twin = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8),
+                                   torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    with torch.no_grad():
+        twin(torch.randn(5, 6, generator=torch.Generator().manual_seed(100)))
+    model.load_state_dict(twin.state_dict())
+
+
+def sync_state_objects(model):
+    state = [model.state_dict()]
+    dist.broadcast_object_list(state, src=0)
+    model.load_state_dict(state[0])
+
+
+def test_sync_state_checker():
+    said = battery(ch11.check_sync_state, correct=[sync_state_sorted],
+                   different=[sync_state_flattened], wrong=[sync_parameters_only],
+                   cheat=[debug.broadcast_parameters, sync_state_rebuilt, sync_state_objects],
+                   decoy=[sync_state_per_tensor])
+    assert "rank 1's buffer 1.running_mean is not rank 0's. Buffers are state too" \
+        in said["wrong"][0]
+    assert "course's own broadcast_parameters" in said["cheat"][0]
+    assert "all of it must travel from rank 0" in said["cheat"][1]
+    assert "broadcast_object_list" in said["cheat"][2]
+    assert re.search(r"rank 0 made 9 broadcasts, one per tensor; the state holds 9 tensors of 2 "
+                     r"dtypes \(float32, int64\)", said["decoy"][0])
+
+
+def _checksums(named):
+    rows = []
+    for _, g in named:
+        flat = g.detach().double().flatten()
+        rows.append(torch.stack([flat.sum(),
+                                 (flat * torch.arange(1.0, flat.numel() + 1,
+                                                      dtype=torch.float64)).sum()]))
+    return torch.stack(rows)
+
+
+def divergence_min_rank(named):
+    # The workbook's way: checksums against rank 0's, the lowest differing rank by a MIN.
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    mine = _checksums(named)
+    zero = mine.clone()
+    dist.broadcast(zero, 0)
+    who = torch.where((mine != zero).any(dim=1), torch.tensor(rank), torch.tensor(ws))
+    dist.all_reduce(who, op=dist.ReduceOp.MIN)
+    bad = (who < ws).nonzero()
+    return None if len(bad) == 0 else (who[bad[0, 0]].item(), named[bad[0, 0]][0])
 
 
 def divergence_gathered(named):
     # Differently written: every rank's checksums gathered, compared on every rank.
     ws = dist.get_world_size()
-    rows = []
-    for _, g in named:
-        flat = g.double().flatten()
-        place = torch.arange(1.0, g.numel() + 1, dtype=torch.float64)
-        rows.append(torch.stack([flat.sum(), (flat * place).sum()]))
-    sums = torch.stack(rows)
+    sums = _checksums(named)
     everyone = [torch.empty_like(sums) for _ in range(ws)]
     dist.all_gather(everyone, sums)
     for i, (name, _) in enumerate(named):
@@ -371,6 +532,20 @@ def divergence_sums_only(named):
     return None if len(bad) == 0 else (who[bad[0, 0]].item(), named[bad[0, 0]][0])
 
 
+def divergence_rank_first(named):
+    # Decoy: the first differing rank, then its first differing tensor: right whenever one rank
+    # differs, wrong when two ranks differ in different tensors.
+    ws = dist.get_world_size()
+    sums = _checksums(named)
+    everyone = [torch.empty_like(sums) for _ in range(ws)]
+    dist.all_gather(everyone, sums)
+    for r in range(1, ws):
+        for i, (name, _) in enumerate(named):
+            if not torch.equal(everyone[r][i], everyone[0][i]):
+                return r, name
+    return None
+
+
 def divergence_cheat(named):
     module = torch.nn.Module()
     for i, (_, g) in enumerate(named):
@@ -378,15 +553,36 @@ def divergence_cheat(named):
     return debug.replicas_out_of_sync(module) or None
 
 
-def test_first_divergence_checker(capsys):
-    ch11.check_first_divergence(divergence_gathered)
-    assert capsys.readouterr().out.count("✅") == 1
-    with pytest.raises(CheckFailed, match=r"case 'at step 1, two elements of net.0.weight swapped "
-                                          r"on rank 1': at step 1 rank 0 returned None, expected "
-                                          r"\(1, 'net.0.weight'\) \(a plain sum does not see"):
-        ch11.check_first_divergence(divergence_sums_only)
-    with pytest.raises(CheckFailed, match="course's own replicas_out_of_sync"):
-        ch11.check_first_divergence(divergence_cheat)
+def test_first_divergence_checker():
+    said = battery(ch11.check_first_divergence, correct=[divergence_min_rank],
+                   different=[divergence_gathered], wrong=[divergence_sums_only],
+                   cheat=[divergence_cheat], decoy=[divergence_rank_first])
+    assert re.search(r"case 'at step 1, two elements of net.0.weight swapped on rank 1': at step 1 "
+                     r"rank 0 returned None, expected \(1, 'net.0.weight'\) \(a plain sum does "
+                     r"not see", said["wrong"][0])
+    assert "course's own replicas_out_of_sync" in said["cheat"][0]
+    assert "world_size=3" in said["decoy"][0]
+
+
+def pipeline_plain(x, stage, rank, pp, dp):
+    # The workbook's way: blocking send/recv to rank ± 1 within the replica.
+    s = rank % pp
+    if s > 0:
+        dist.recv(x, src=rank - 1)
+        x.requires_grad_(True)
+    y = stage(x)
+    loss = None
+    if s == pp - 1:
+        loss = y.pow(2).sum()
+        loss.backward()
+    else:
+        dist.send(y.detach(), dst=rank + 1)
+        grad = torch.empty_like(y)
+        dist.recv(grad, src=rank + 1)
+        y.backward(grad)
+    if s > 0:
+        dist.send(x.grad, dst=rank - 1)
+    return loss
 
 
 def pipeline_batched(x, stage, rank, pp, dp):
@@ -428,20 +624,51 @@ def pipeline_logs_to_rank_0(x, stage, rank, pp, dp):
     return loss
 
 
+def pipeline_other_order(x, stage, rank, pp, dp):
+    # Decoy: the other mesh order (replicas fastest, next stage = rank + dp): right when dp = 1.
+    s = rank // dp
+    if s > 0:
+        dist.recv(x, src=rank - dp)
+        x.requires_grad_(True)
+    y = stage(x)
+    loss = None
+    if s == pp - 1:
+        loss = y.pow(2).sum()
+        loss.backward()
+    else:
+        dist.send(y.detach(), dst=rank + dp)
+        grad = torch.empty_like(y)
+        dist.recv(grad, src=rank + dp)
+        y.backward(grad)
+    if s > 0:
+        dist.send(x.grad, dst=rank - dp)
+    return loss
+
+
 def pipeline_cheat(x, stage, rank, pp, dp):
     loss, grads = ch11._pipe_expected(rank // pp, pp)
     return loss
 
 
-def test_pipeline_step_checker(capsys):
-    ch11.check_pipeline_step(pipeline_batched)
-    assert capsys.readouterr().out.count("✅") == 1
-    with pytest.raises(CheckFailed, match=r"dp=2 replicas x pp=2 stages: rank 0 \(replica 0, "
-                                          r"stage 0\) received 8 bytes from rank 3, which is "
-                                          r"replica 1's stage 1; .* its neighbours are \[1\]"):
-        ch11.check_pipeline_step(pipeline_logs_to_rank_0)
-    with pytest.raises(CheckFailed, match=r"checker's own _pipe_expected"):
-        ch11.check_pipeline_step(pipeline_cheat)
+def test_pipeline_step_checker():
+    said = battery(ch11.check_pipeline_step, correct=[pipeline_plain],
+                   different=[pipeline_batched], wrong=[pipeline_logs_to_rank_0],
+                   cheat=[pipeline_cheat], decoy=[pipeline_other_order])
+    assert re.search(r"dp=2 replicas x pp=2 stages: rank 0 \(replica 0, stage 0\) received 8 bytes "
+                     r"from rank 3, which is replica 1's stage 1; .* its neighbours are \[1\]",
+                     said["wrong"][0])
+    assert "checker's own _pipe_expected" in said["cheat"][0]
+    assert "dp=2 replicas x pp=2 stages" in said["decoy"][0]
+
+
+def sync_grads_plain(block, tp_group, dp_group):
+    # The workbook's way: the LayerNorms summed over tp, then every gradient averaged over dp.
+    for ln in (block.ln1, block.ln2):
+        for p in ln.parameters():
+            dist.all_reduce(p.grad, group=tp_group)
+    for p in block.parameters():
+        dist.all_reduce(p.grad, group=dp_group)
+        p.grad /= dist.get_world_size(dp_group)
 
 
 def sync_grads_flat(block, tp_group, dp_group):
@@ -466,6 +693,7 @@ def sync_grads_tp_only(block, tp_group, dp_group):
 
 
 def sync_grads_world(block, tp_group, dp_group):
+    # Decoy: the LayerNorms summed over the whole world: right when the world is one tp group.
     for m in (block.ln1, block.ln2):
         for p in m.parameters():
             dist.all_reduce(p.grad)
@@ -476,21 +704,31 @@ def sync_grads_cheat(block, tp_group, dp_group):
     ch11._seeded_block(Block)
 
 
-def test_sequence_parallel_grads_checker(capsys):
-    ch11.check_sequence_parallel_grads(sync_grads_flat)
-    assert capsys.readouterr().out.count("✅") == 1
-    with pytest.raises(CheckFailed, match=r"tp=2 x dp=2: rank 0's ln1.weight gradient is its own "
-                                          r"replica's only: average every gradient over the dp"):
-        ch11.check_sequence_parallel_grads(sync_grads_tp_only)
-    with pytest.raises(CheckFailed, match=r"rank 0's all_reduce ran over ranks \[0, 1, 2, 3\]"):
-        ch11.check_sequence_parallel_grads(sync_grads_world)
-    with pytest.raises(CheckFailed, match="course's own _seeded_block"):
-        ch11.check_sequence_parallel_grads(sync_grads_cheat)
+def test_sequence_parallel_grads_checker():
+    # Subgroups: on tp=2 x dp=2 the dp groups are {0, 2} and {1, 3}, a group whose ranks are not
+    # 0..k; tp=3 x dp=1 is the second shape.
+    said = battery(ch11.check_sequence_parallel_grads, correct=[sync_grads_plain],
+                   different=[sync_grads_flat], wrong=[sync_grads_tp_only],
+                   cheat=[sync_grads_cheat], decoy=[sync_grads_world])
+    assert "tp=2 x dp=2: rank 0's ln1.weight gradient is its own replica's only: average every " \
+           "gradient over the dp" in said["wrong"][0]
+    assert "course's own _seeded_block" in said["cheat"][0]
+    assert "rank 0's all_reduce ran over ranks [0, 1, 2, 3]" in said["decoy"][0]
 
 
 def test_unsolved_stubs_are_one_line_not_implemented():
     def stub(*args):
         raise NotImplementedError("exercise: replace this line with your code")
-    for check, name in ((ch11.check_loss_report, "stub"), (ch11.check_pipeline_step, "stub")):
+    for check, name in ((ch11.check_loss_report, "stub"), (ch11.check_accumulation, "stub"),
+                        (ch11.check_pipeline_step, "stub")):
         with pytest.raises(NotImplementedError, match=f"{name} is not written yet"):
             check(stub)
+
+
+def test_slow_ranks_finds_the_straggler_by_compute_not_by_step_time():
+    assert debug.slow_ranks([1.0, 1.1, 1.0, 1.0]) == [1]
+    assert debug.slow_ranks([1.0, 1.3, 1.0, 1.2, 1.0]) == [1, 3]       # slowest first
+    assert debug.slow_ranks([2.0, 2.0, 2.0]) == []                     # equal steps name no one
+    assert debug.slow_ranks([1.0, 1.04], tolerance=0.05) == []
+    with pytest.raises(ValueError, match="one compute time per rank"):
+        debug.slow_ranks([])

@@ -277,3 +277,112 @@ def step_times(rank, world_size, slow_rank=None, delay=0.05, steps=5, width=128,
         compute.append(done - start)
         wait.append(trace.now() - done)
     return {"compute": compute, "wait": wait}
+
+
+def slow_ranks(compute, tolerance=0.05):
+    """Per-rank step telemetry: the ranks whose own compute (the time before they enter the
+    step's collective) exceeds the median rank's by more than `tolerance`, slowest first.
+
+    `compute`: one number per rank (seconds of one step, or a mean over steps). A rank's whole
+    step time cannot find a straggler in synchronous training: every rank leaves the gradient
+    all-reduce together, so every step lasts as long as the slowest. Time the part before the
+    collective, gather it, and compare."""
+    if len(compute) == 0:
+        raise ValueError("slow_ranks needs one compute time per rank; got none.")
+    times = [float(t) for t in compute]
+    ordered = sorted(times)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    slow = [r for r, t in enumerate(times) if t > median * (1 + tolerance)]
+    return sorted(slow, key=lambda r: -times[r])
+
+
+# ---- a trace's communication: the link's time, or one rank's late thread? ----------------------
+
+def matched_calls(run_trace):
+    """The trace's collectives matched across ranks: the i-th call on a group on every rank of
+    that group is one collective. Returns one dict per collective, in launch order of its first
+    rank: op, bytes, group, and per rank its `start` and `end` (seconds)."""
+    calls = {}
+    for rank in range(run_trace.world_size):
+        seen = {}
+        for e in run_trace.comm(rank):
+            if e["op"] in ("send", "recv") or e["start"] is None or e["end"] is None:
+                continue
+            group = tuple(e["group"])
+            i = seen[group] = seen.get(group, -1) + 1
+            call = calls.setdefault((group, i), {"op": e["op"], "bytes": e["bytes"],
+                                                  "group": group, "start": {}, "end": {}})
+            call["start"][rank], call["end"][rank] = e["start"], e["end"]
+    return sorted(calls.values(), key=lambda c: min(c["start"].values()))
+
+
+def completion_skew(run_trace):
+    """Per matched collective, how long after the group's first rank each rank recorded its end
+    (seconds). The ranks of one collective finish together, within a message latency: the last
+    byte one rank needs is the last byte another sends. An end that trails the group's first by
+    milliseconds is that rank's own delay (its communication thread not scheduled, a host busy
+    elsewhere, the profiler), not time on the link."""
+    return [{**c, "tail": {r: end - min(c["end"].values()) for r, end in c["end"].items()}}
+            for c in matched_calls(run_trace)]
+
+
+def communication_until_group_done(run_trace, rank):
+    """Rank `rank`'s communication with each call cut at the end its group's first rank recorded:
+    {"comm", "overlapped", "exposed", "tail"} in seconds, with the definitions of
+    `Trace.overlap` (union of transfers in flight; the part of it during compute). `tail` is
+    what the cut removed: time the rank's records ran on after the collective was complete."""
+    from .trace import _intersection, _union
+    cut = []
+    for c in matched_calls(run_trace):
+        if rank in c["start"]:
+            done = min(c["end"].values())
+            cut.append((c["start"][rank], max(c["start"][rank], done)))
+    whole = [(c["start"][rank], c["end"][rank]) for c in matched_calls(run_trace)
+             if rank in c["start"]]
+    compute = [(s["start"], s["end"]) for s in run_trace.compute(rank)]
+    comm, hidden = _union(cut), _intersection(cut, compute)
+    return dict(comm=comm, overlapped=hidden, exposed=comm - hidden,
+                tail=_union(whole) - comm)
+
+
+# ---- memory: a real-size step's allocations, recorded on the meta device -----------------------
+
+def record_meta_step(hidden, layers, token_counts):
+    """A real-size data-parallel replica's steps (an MLP stack in pure bf16: bf16 weights,
+    gradients and AdamW moments, no fp32 master copy), one step per entry of `token_counts`,
+    recorded by memory_debug.StepRecorder on meta tensors: real sizes, nothing computed.
+
+    Returns memory_debug.record_step's log plus "weights" (bytes per parameter tensor), "made"
+    (bytes each category allocated during the steps) and "peak_at" (the event index where the
+    live bytes peak)."""
+    from . import memory_debug
+    with torch.device("meta"):
+        model = memory_debug.mlp_stack(hidden, layers)
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        batches = [(torch.empty(n, hidden, dtype=torch.bfloat16),
+                    torch.empty(n, hidden, dtype=torch.bfloat16)) for n in token_counts]
+        log = memory_debug.record_step(model, batches, F.mse_loss, opt)
+    log["weights"] = [p.untyped_storage().nbytes() for p in model.parameters()]
+    made = {}
+    for e in log["events"]:
+        if e["action"] == "alloc":
+            made[e["category"]] = made.get(e["category"], 0) + e["bytes"]
+    log["made"] = made
+    rows = memory_debug.live_bytes(log["events"], log["parameters"])
+    log["rows"] = rows
+    log["peak_at"] = max(range(len(rows)), key=lambda i: sum(rows[i].values()))
+    return log
+
+
+def ruler_reading(run_trace, rank):
+    """What one drag in Perfetto reads off a rank's rows, from its first transfer's start to its
+    last one's end: {"window" (the ruler), "slices" (the Slices tab's sum of the transfers'
+    durations: transfers in flight together count twice), "compute_inside" (the compute slices
+    inside the selection)}, in seconds."""
+    transfers = [(e["start"], e["end"]) for e in run_trace.comm(rank)]
+    first, last = min(a for a, _ in transfers), max(b for _, b in transfers)
+    inside = sum(min(s["end"], last) - max(s["start"], first) for s in run_trace.compute(rank)
+                 if s["end"] > first and s["start"] < last)
+    return {"window": last - first, "slices": sum(b - a for a, b in transfers),
+            "compute_inside": inside}

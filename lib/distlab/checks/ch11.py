@@ -3,9 +3,11 @@
 Every checker runs the learner's code on real ranks at two or more world sizes or mesh shapes
 (odd ones too) and proves it gives what one process gives, reads the run's trace to see that the
 right ranks talked and that what travelled is what the answer needs, and refuses the course's own
-detectors and loops (`distlab.debug`) and the checkers' helpers. A hang is caught by a short
-timeout and reported as one sentence naming where the ranks were.
+detectors and loops (`distlab.debug`), the checkers' helpers and torch's object collectives (as
+chapter 02's checkers do). A hang is caught by a short timeout and reported as one sentence naming
+where the ranks were. Sizes and values a constant could match are drawn afresh at every check.
 """
+import contextlib
 import os
 
 import torch
@@ -17,7 +19,7 @@ from .. import trace as _trace
 from ..debug_parallel import PIPE_WIDTH, SP_DIMS, pipe_stage as _pipe_stage, sp_data as _sp_data
 from ..debug_parallel import sp_block_without_ln_sum as _sp_block_without_ln_sync
 from ..launch import RankFailed, RunTimeout
-from . import CheckFailed, compare, forbid, passed, run_learner, sizes_phrase
+from . import CheckFailed, _refusing_code, compare, forbid, passed, run_learner, sizes_phrase
 from .ch01 import learner_run
 
 WORLD_SIZES = (2, 3)       # even and odd: what a fix must survive; 4 catches nothing 3 misses
@@ -33,10 +35,34 @@ def _course_code():
             models.train_reference)
 
 
+@contextlib.contextmanager
 def _refused(exercise, *helpers):
     """The course's code and this checker's data builders (`helpers`) refused; its
-    answer-building helpers (_expected_*, _*reference*) the framework refuses by default."""
-    return forbid(*_course_code(), *helpers, exercise=exercise)
+    answer-building helpers (_expected_*, _*reference*) the framework refuses by default; and
+    torch's object collectives, as chapter 02's checkers refuse them."""
+    with forbid(*_course_code(), *helpers, exercise=exercise), _no_object_collectives():
+        yield
+
+
+@contextlib.contextmanager
+def _no_object_collectives():
+    """torch's object collectives (all_gather_object, gather_object, broadcast_object_list,
+    scatter_object_list) refused inside a rank: they pickle Python objects, send them as byte
+    tensors and unpickle them, with a host sync each; what travelled is then a pickle, not the
+    tensors the exercise is about, and no trace can say what it held."""
+    saved = []
+    for fn in (dist.all_gather_object, dist.gather_object, dist.broadcast_object_list,
+               dist.scatter_object_list):
+        message = (f"your function used dist.{fn.__name__}, which pickles Python objects into "
+                   f"byte tensors; send the tensors themselves with tensor collectives "
+                   f"(all_reduce, all_gather, broadcast).")
+        saved.append((fn, fn.__code__))
+        fn.__code__ = _refusing_code(message, fn.__code__.co_freevars)
+    try:
+        yield
+    finally:
+        for fn, code in saved:
+            fn.__code__ = code
 
 
 def _run(fn, world_size, name, *args, **kwargs):
@@ -123,16 +149,54 @@ def check_loss_report(fn, seed=None):
            f"{sizes_phrase(WORLD_SIZES)} ranks, without a hang.")
 
 
-# ---- exercise 2: uneven shards: the gradient of the global mean ---------------------------------
+# ---- exercise 2: gradient accumulation whose last micro-batch is short --------------------------
+#
+# Each rank accumulates over ACC_MICRO micro-batches of its own; the last one is short, and the
+# ranks' last micro-batches differ in size (the end of an epoch). Sizes are drawn afresh at every
+# check, so no constant N or weight can match; one case keeps every rank's total equal (where a
+# per-rank normalisation happens to be right) and one does not.
 
-UNEVEN_BATCH, UNEVEN_STEPS = 11, 3      # 11 samples: 6 + 5 on 2 ranks, 4 + 4 + 3 on 3
+ACC_MICRO, ACC_STEPS = 3, 2
+ACC_CASES = ("every rank's last micro-batch equally short", "the ranks' last micro-batches differ")
 
 
-def _uneven_reference():
-    model, batches = debug.problem(steps=UNEVEN_STEPS, global_batch=UNEVEN_BATCH)
+def _acc_sizes(world_size, seed):
+    """Per case, per rank, its micro-batch sizes: full ones of `m` samples, then a short one."""
+    g = torch.Generator().manual_seed(seed)
+    m = int(torch.randint(4, 7, (), generator=g))
+    same = int(torch.randint(1, m, (), generator=g))
+    short = torch.randperm(m - 1, generator=g)[:world_size] + 1
+    if world_size > m - 1:                      # more ranks than short sizes: repeat, not equal
+        short = torch.arange(world_size) % (m - 1) + 1
+    return [[[m] * (ACC_MICRO - 1) + [same] for _ in range(world_size)],
+            [[m] * (ACC_MICRO - 1) + [int(short[r])] for r in range(world_size)]]
+
+
+def _acc_data(sizes, step):
+    """Every rank's micro-batches of one step, cut from one global batch in rank order."""
+    total = sum(sum(s) for s in sizes)
+    g = torch.Generator().manual_seed(1000 + 17 * step + total)
+    x = torch.randn(total, 16, generator=g, dtype=torch.float64)
+    y = torch.randn(total, 4, generator=g, dtype=torch.float64)
+    out, at = [], 0
+    for rank_sizes in sizes:
+        mine = []
+        for n in rank_sizes:
+            mine.append((x[at:at + n], y[at:at + n]))
+            at += n
+        out.append(mine)
+    return out
+
+
+def _accumulation_reference(sizes):
+    """One process: the gradient of the mean loss over every sample of every rank, per step, and
+    the parameters after ACC_STEPS steps of SGD."""
+    model, _ = debug.problem()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []
-    for x, y in batches:
+    for step in range(ACC_STEPS):
+        x = torch.cat([xb for rank in _acc_data(sizes, step) for xb, _ in rank])
+        y = torch.cat([yb for rank in _acc_data(sizes, step) for _, yb in rank])
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -140,70 +204,118 @@ def _uneven_reference():
     return grads, [p.detach().clone() for p in model.parameters()]
 
 
-def _train_uneven(rank, world_size, fn):
-    model, batches = debug.problem(steps=UNEVEN_STEPS, global_batch=UNEVEN_BATCH)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    local, grads = [], []
-    for x, y in batches:
-        xs, ys = x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]
-        opt.zero_grad()
-        F.mse_loss(model(xs), ys).backward()
-        local.append([p.grad.clone() for p in model.parameters()])
-        with _trace.span("fix"), _refused("weigh and average the gradients yourself"):
-            fn(model, len(xs))
-        grads.append([p.grad.clone() for p in model.parameters()])
-        opt.step()
-    return {"local": local, "grads": grads, "n": len(xs),
-            "params": [p.detach().clone() for p in model.parameters()]}
+def _micro_grads(model, micro_batches):
+    """This rank's gradient of each micro-batch's own mean loss (to explain a wrong answer)."""
+    out = []
+    for x, y in micro_batches:
+        model.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        out.append([p.grad.clone() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return out
 
 
-def check_uneven_average(fn):
-    """fn(model, n_local) after backward: every rank's .grad is the global batch's gradient."""
-    name = getattr(fn, "__name__", "average_uneven")
-    want_grads, want_params = _uneven_reference()
-    nbytes = sum(g.numel() * g.element_size() for g in want_grads[0])
+def _accumulate_on_ranks(rank, world_size, fn, cases):
+    answers = []
+    for sizes in cases:
+        model, _ = debug.problem()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        steps = []
+        for step in range(ACC_STEPS):
+            micro = _acc_data(sizes, step)[rank]
+            parts = _micro_grads(model, micro)
+            opt.zero_grad(set_to_none=True)
+            with _trace.span("fix"), _refused("weigh the micro-batches and combine the ranks' "
+                                              "gradients yourself", _acc_data, _acc_sizes):
+                fn(model, [(x.clone(), y.clone()) for x, y in micro])
+            grads = [None if p.grad is None else p.grad.detach().clone()
+                     for p in model.parameters()]
+            steps.append({"grads": grads, "parts": parts})
+            if any(g is None for g in grads):
+                break
+            opt.step()
+        answers.append({"steps": steps, "params": [p.detach().clone() for p in model.parameters()]})
+    return answers
+
+
+def check_accumulation(fn, seed=None):
+    """fn(model, micro_batches) on every rank: forward and backward over this rank's micro-batches
+    [(x, y), ...] (the last one short), then every rank's .grad is the gradient of the mean
+    F.mse_loss over every sample of every rank's micro-batches: what one process gets on them."""
+    name = getattr(fn, "__name__", "accumulate")
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+    model, _ = debug.problem()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for ws in WORLD_SIZES:
-        got = _traced(_train_uneven, ws, name, fn, rule="every rank must all-reduce the same "
-                      "tensors in the same order.")
-        sizes = [r["n"] for r in got]
-        for step in range(UNEVEN_STEPS):
-            for rank in range(ws):
-                sent = sum(e["bytes"] for e in got.trace.comm(rank)
-                           if e["label"] == ["fix"] and e["op"] != "recv")
-                if sent < nbytes * (step + 1):
-                    raise CheckFailed(
-                        f"{name} with world_size={ws}: by step {step} rank {rank} had sent "
-                        f"{sent} bytes; its gradients are {nbytes} bytes a step, and every "
-                        f"rank's gradient is part of the answer: all-reduce them.")
-                mine = got[rank]["grads"][step]
-                if all(torch.allclose(m, w, atol=1e-12, rtol=1e-10)
-                       for m, w in zip(mine, want_grads[step])):
-                    continue
-                _explain_uneven(name, ws, step, rank, mine, want_grads[step],
-                                [r["local"][step] for r in got], sizes)
+        cases = _acc_sizes(ws, seed + ws)
+        got = _traced(_accumulate_on_ranks, ws, name, fn, cases, rule="every rank must call "
+                      "the same collectives on the same tensors, in the same order.")
         for rank in range(ws):
-            compare(got[rank]["params"], want_params, f"{name} with world_size={ws}: rank "
-                    f"{rank}'s parameters after {UNEVEN_STEPS} steps", 1e-10, 1e-9)
-    passed(f"{name} gives every rank the global batch's gradient with shards of "
-           f"{' and '.join('+'.join(map(str, _split(UNEVEN_BATCH, ws))) for ws in WORLD_SIZES)} "
-           f"samples: training equals one process.")
+            for e in got.trace.comm(rank):
+                if e["label"] == ["fix"] and tuple(e["group"]) != tuple(range(ws)):
+                    raise CheckFailed(f"{name} with world_size={ws}: rank {rank}'s {e['op']} ran "
+                                      f"over ranks {list(e['group'])}; every rank's samples are "
+                                      f"part of the global batch: combine over all {ws} ranks.")
+        for c, (label, sizes) in enumerate(zip(ACC_CASES, cases)):
+            want_grads, want_params = _accumulation_reference(sizes)
+            where = (f"{name} with world_size={ws}, case '{label}' (micro-batches "
+                     f"{' | '.join('+'.join(map(str, s)) for s in sizes)})")
+            for step in range(ACC_STEPS):
+                for rank in range(ws):
+                    mine = got[rank][c]["steps"][step]["grads"]
+                    if any(g is None for g in mine):
+                        raise CheckFailed(f"{where}: rank {rank} has no gradient after your "
+                                          f"function: run forward and backward on every "
+                                          f"micro-batch inside it.")
+                    if all(_close(m, w) for m, w in zip(mine, want_grads[step])):
+                        continue
+                    _explain_accumulation(where, step, rank, mine, want_grads[step],
+                                          [r[c]["steps"][step]["parts"] for r in got], sizes)
+            for rank in range(ws):
+                compare(got[rank][c]["params"], want_params, f"{where}: rank {rank}'s parameters "
+                        f"after {ACC_STEPS} steps", 1e-10, 1e-9)
+        for rank in range(ws):
+            # what this rank put in: a gather's bytes are its output, every rank's share
+            sent = sum(e["bytes"] / (ws if e["op"] in ("all_gather", "gather") else 1)
+                       for e in got.trace.comm(rank)
+                       if e["label"] == ["fix"] and e["op"] != "recv")
+            calls = ACC_STEPS * len(ACC_CASES)
+            if sent < nbytes * calls:
+                raise CheckFailed(
+                    f"{name} with world_size={ws}: rank {rank} sent {sent / calls:.0f} bytes a "
+                    f"step; its gradients are {nbytes} bytes, and every rank's gradients are part "
+                    f"of the answer: send the gradients (an all-reduce), not the samples or a "
+                    f"copy.")
+    passed(f"{name} gives every rank the global batch's gradient with a short last micro-batch "
+           f"(sizes drawn afresh; equal and unequal totals per rank), at world sizes "
+           f"{sizes_phrase(WORLD_SIZES)}: training equals one process.")
 
 
-def _split(n, ws):
-    return [len(c) for c in torch.arange(n).tensor_split(ws)]
-
-
-def _explain_uneven(name, ws, step, rank, mine, want, local, sizes):
-    head = f"{name} with world_size={ws} (shards of {'+'.join(map(str, sizes))} samples): rank " \
-           f"{rank}'s gradient at step {step}"
-    plain = [sum(parts) / ws for parts in zip(*local)]
-    if all(torch.allclose(m, p, atol=1e-12, rtol=1e-10) for m, p in zip(mine, plain)):
-        raise CheckFailed(f"{head} is the plain mean of the ranks' gradients. Each rank's loss "
-                          f"is the mean over ITS samples, and the shards differ in size: weigh "
-                          f"rank r's gradient by n_r / N (N = {sum(sizes)}) before adding.")
+def _explain_accumulation(where, step, rank, mine, want, parts, sizes):
+    head = f"{where}: rank {rank}'s gradient at step {step}"
+    ws = len(sizes)
+    # the bug the workbook shows: each micro-batch weighted 1/K, then the ranks averaged
+    plain = [sum(sum(p[i] for p in rank_parts) / len(rank_parts) for rank_parts in parts) / ws
+             for i in range(len(want))]
+    if all(_close(m, p) for m, p in zip(mine, plain)):
+        raise CheckFailed(f"{head} weighs every micro-batch alike (1/{ACC_MICRO}); each "
+                          f"micro-batch's loss is the mean over ITS samples and the last is "
+                          f"shorter: weigh micro-batch i by n_i / N, N = every rank's samples.")
+    per_rank = [sum(sum(p[i] * n for p, n in zip(rank_parts, s)) / sum(s)
+                    for rank_parts, s in zip(parts, sizes)) / ws for i in range(len(want))]
+    if all(_close(m, p) for m, p in zip(mine, per_rank)):
+        raise CheckFailed(f"{head} weighs the micro-batches within each rank but then averages "
+                          f"the ranks alike; the ranks hold different numbers of samples: divide "
+                          f"by the global count N, not by each rank's own.")
+    summed = [sum(sum(p[i] for p in rank_parts) for rank_parts in parts)
+              for i in range(len(want))]
+    if all(_close(m, p) for m, p in zip(mine, summed)):
+        raise CheckFailed(f"{head} is the plain sum of every micro-batch's gradient: weigh "
+                          f"micro-batch i by n_i / N before adding.")
     scale = debug.gradient_scale(mine, want)
     raise CheckFailed(f"{head} is {scale:.4g}x the global batch's gradient, not equal to it: the "
-                      f"answer is the sum over ranks of n_r / N times rank r's gradient.")
+                      f"answer is the sum over every micro-batch of every rank of n_i / N times "
+                      f"its gradient.")
 
 
 # ---- exercise 3: replicas that never were equal: parameters and buffers, one message a dtype -----
@@ -225,7 +337,7 @@ def _bn_model(rank):
 def _sync_on_ranks(rank, world_size, fn):
     model = _bn_model(rank)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with _trace.span("fix"), _refused("broadcast rank 0's state yourself"):
+    with _trace.span("fix"), _refused("broadcast rank 0's state yourself", _bn_model):
         fn(model)
     return {"before": before, "after": {k: v.clone() for k, v in model.state_dict().items()}}
 
@@ -248,11 +360,19 @@ def check_sync_state(fn):
                              "broadcasts them with the parameters.")
                     raise CheckFailed(f"{name} with world_size={ws}: rank {rank}'s {kind} {key} "
                                       f"is not rank 0's.{extra}")
+        for rank in range(ws):
             calls = [e for e in got.trace.comm(rank) if e["label"] == ["fix"]]
             others = sorted({e["op"] for e in calls if e["op"] != "broadcast"})
             if others:
                 raise CheckFailed(f"{name} with world_size={ws}: rank {rank} called "
                                   f"{', '.join(others)}; rank 0's state needs only broadcasts.")
+            sent = sum(e["bytes"] for e in calls)
+            state = sum(v.numel() * v.element_size() for v in want.values())
+            if sent < state:
+                raise CheckFailed(
+                    f"{name} with world_size={ws}: rank {rank} took part in broadcasts of "
+                    f"{sent} bytes; rank 0's state is {state} bytes, and all of it must travel "
+                    f"from rank 0 (rebuilding it locally copies rank 0's recipe, not its state).")
             if len(calls) > len(dtypes):
                 raise CheckFailed(
                     f"{name} with world_size={ws}: rank {rank} made {len(calls)} broadcasts, one "
