@@ -58,27 +58,6 @@ def interleaved_stage(p, m, v, rank):
     return actions + list(bwd)
 
 
-def interleaved_counters(p, m, v, rank):
-    """Differently written: two counters, Action records, 'forward while the warm-up allows'."""
-    n = m * v
-    warm = min(2 * (p - 1 - rank) + (v - 1) * p, n)
-
-    def nth(kind, k):
-        group, inside = divmod(k, p * v)
-        chunk = inside // p
-        return ps.Action(kind, group * p + inside % p, chunk if kind == "F" else v - 1 - chunk)
-
-    actions, f, b = [], 0, 0
-    while b < n:
-        if f < n and f - b <= warm and (f < warm or f - b == warm):
-            actions.append(nth("F", f))
-            f += 1
-        else:
-            actions.append(nth("B", b))
-            b += 1
-    return actions
-
-
 def looped_bfs(p, m, v, rank):
     """Wrong structure: every forward first (no deadlock, the bubble is fine, memory is not)."""
     forward = [(g + i, c) for g in range(0, m, p) for c in range(v) for i in range(p)]
@@ -125,9 +104,7 @@ def cheat_module_loaded_again(p, m, v, rank):
     return mine.interleaved_1f1b(p, m, v)[rank]
 
 
-def test_interleaved_right_answer_passes_and_trains_on_ranks(capsys):
-    ch08.check_interleaved(interleaved_counters)
-    assert "train exactly like one process on 3 real ranks with v=2" in capsys.readouterr().out
+# (a right answer trained on real ranks: the battery in tests/test_checks_ch07_08.py)
 
 
 def test_interleaved_workbook_answer_passes_the_simulation(capsys):
@@ -337,10 +314,12 @@ def test_choose_m_stub_says_not_written():
 # ---- chapter 08's real-size bubble: every number its prose quotes, recomputed --------------------
 
 def _chapter_markdown():
+    """The prose of chapter 08 and of its second sitting, 08b."""
     import pathlib
     import nbformat
-    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "08_pipeline_parallel.ipynb"
-    return "\n".join(c.source for c in nbformat.read(path, as_version=4).cells
+    root = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+    return "\n".join(c.source for name in ("08_pipeline_parallel", "08b_pipelines_in_practice")
+                     for c in nbformat.read(root / f"{name}.ipynb", as_version=4).cells
                      if c.cell_type == "markdown")
 
 
@@ -490,3 +469,47 @@ def test_v_schedule_prose_numbers():
     assert max(ps.peak_in_flight(a) for a in dual) == p + 1 and dual.placement == "dual"
     assert "DualPipe idles less still, 1 against 1.5, but it holds two copies of the " \
            "parameters and p + 1 = 5 micro-batches" in text
+
+
+def test_zb_v_authors_zero_and_section_6_prose_numbers():
+    """ZB-V's 0 against one step, m < p, looped BFS and ZeRO-3's gathers: every number the prose
+    quotes, recomputed (no launch); the back-to-back table's rows are the stored outputs."""
+    import pathlib
+    import re
+
+    import nbformat
+    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "08_pipeline_parallel.ipynb"
+    cells = nbformat.read(path, as_version=4).cells
+    text = " ".join(_chapter_markdown().split())
+    outputs = "\n".join(o.get("text", "") for c in cells if c.cell_type == "code"
+                        for o in c.get("outputs", []))
+    p = 4
+    # one synchronous step against steps back to back (post-validation)
+    rows = {(label.strip(), name.strip()): (float(one), float(steady)) for label, name, one, steady
+            in re.findall(r"^\s*(.+?), +(1F1B|ZB-H1|ZB-V): +(\d\.\d+) +(\d\.\d+)$", outputs, re.M)}
+    assert rows["F = I = W, m = 8", "ZB-V"] == (round(ps.zb_v_bubble(p, 8), 3), 0.0)
+    assert 0.01 < rows["F = I = W, m = 6", "ZB-V"][1] < rows["F = I = W, m = 6", "ZB-V"][0]
+    assert 0.03 < rows["7B block's F, I, W, m = 8", "ZB-V"][1] < 0.10     # "several per cent"
+    for label in ("F = I = W, m = 8", "7B block's F, I, W, m = 8"):
+        for name in ("1F1B", "ZB-H1"):
+            one, steady = rows[label, name]
+            assert one == steady
+    assert "the barrier kept (one step: 0.059)" in text and "m < 2p − 1 (at m = 6 < 7" in text
+    assert "back-to-back idle is several per cent, not 0" in text
+    # fewer micro-batches than stages
+    assert ps.theory_bubble(p, 2) == 0.6 and "the stages idle 60 % of the step" in text
+    assert [ps.peak_in_flight(a) for a in ps.one_f_one_b(p, 2)] == [2, 2, 2, 1]
+    # looped BFS: interleaving's bubble, GPipe's memory
+    bfs, inter = ps.looped_bfs(p, 8, 2), ps.interleaved_1f1b(p, 8, 2)
+    assert ps.bubble_fraction(ps.simulate(bfs, 8)) == pytest.approx(
+        ps.bubble_fraction(ps.simulate(inter, 8)))
+    assert max(ps.peak_in_flight(a) for a in bfs) == 2 * 8
+    # ZeRO-3 inside a pipeline: Llama-2 7B, pp = 4, dp = 8, bf16
+    from distlab import pipeline_parallel as pp
+    h, ffn = pp.LLAMA2_7B["hidden"], pp.LLAMA2_7B["ffn"]
+    stage = 8 * (4 * h * h + 3 * h * ffn) * 2
+    n, _ = ps.parameter_gathers(ps.one_f_one_b(p, 8)[0], "every action")
+    assert f"{n} gathers of a {stage / 1e9:.1f} GB stage, {n * stage * 7 / 8 / 1e9:.0f} GB " \
+           f"received per step here, against {stage * 7 / 8 / 1e9:.1f} GB once" in text
+    assert ps.parameter_gathers(bfs[0], "while in use") == (3, 1)
+    assert "so it gathers 3 times per step while holding one chunk" in text

@@ -925,3 +925,58 @@ def _check_across(got, expected, p):
                     torch.testing.assert_close(r[name][step]["params"][n], exp["params"][n],
                                                rtol=1e-12, atol=1e-14,
                                                msg=lambda m, n=n: f"{where}: {n}: {m}")
+
+
+# ---- looped BFS, steps back to back, and a schedule under ZeRO-3 (chapter 08 section 6) --------
+
+@pytest.mark.parametrize("p, m, v", [(2, 3, 2), (3, 5, 2), (4, 8, 2), (4, 6, 3), (2, 2, 2)])
+def test_looped_bfs_bubble_memory_and_order(p, m, v):
+    """Breadth-first: every micro-batch through a chunk before the next chunk; interleaving's
+    bubble (p-1)/(vm+p-1) with F = 1, B = 2 once m >= p, and GPipe's memory (all m·v chunks held)."""
+    s = ps.looped_bfs(p, m, v)
+    assert ps.bubble_fraction(ps.simulate(s, m)) == pytest.approx(ps.theory_bubble(p, m, v))
+    assert all(ps.peak_in_flight(a) == m * v for a in s)
+    forwards = [(a.chunk, a.mb) for a in s[0] if a.kind == "F"]
+    assert forwards == sorted(forwards)
+    backwards = [(a.chunk, a.mb) for a in s[0] if a.kind == "B"]
+    assert backwards == sorted(backwards, reverse=True)
+
+
+def test_steps_back_to_back_reach_zb_v_authors_zero_only_under_their_conditions():
+    """ZB-V's authors' bubble 0 (F = I = W): the period of steps run with no barrier between
+    them, once m >= 2p - 1; one synchronous step keeps (p-1)/(6m+p-1). ZB-H1 and 1F1B keep
+    their bubble either way; unequal times leave ZB-V a few per cent."""
+    for p in (2, 4):
+        for m in (2 * p - 1, 3 * p):
+            s = ps.zb_v(p, m)
+            assert ps.steady_bubble(s, m, 1, 2, 1) == pytest.approx(0, abs=1e-12), (p, m)
+            assert ps.bubble_fraction(ps.simulate(s, m, 1, 2, 1)) == pytest.approx(
+                ps.zb_v_bubble(p, m))
+        for make in (ps.zb_h1, ps.one_f_one_b):
+            s = make(p, 2 * p)
+            assert ps.steady_bubble(s, 2 * p, 1, 2, 1) == pytest.approx(
+                ps.bubble_fraction(ps.simulate(s, 2 * p, 1, 2, 1)))
+    assert ps.steady_bubble(ps.zb_v(4, 6), 6, 1, 2, 1) > 0.01              # m < 2p - 1
+    assert 0.03 < ps.steady_bubble(ps.zb_v(4, 8), 8, 1, 2.19, 0.76) < 0.15  # I = 1.43 F
+    two = ps.back_to_back(ps.zb_v(2, 3), 3, 2)
+    assert two.placement == "v" and [a.mb for a in two[0] if a.kind == "F"][-1] == 5
+    with pytest.raises(ValueError, match="steps >= 2"):
+        ps.steady_bubble(ps.zb_v(2, 3), 3, steps=1)
+
+
+def test_parameter_gathers_under_zero3():
+    """Gathers of a chunk's parameters per step on one stage: 2m per chunk freed after every
+    action; once per chunk kept the whole step (v chunks held); looped BFS 2v - 1 runs of one
+    chunk; 1F1B with one chunk: once, held throughout."""
+    p, m = 4, 8
+    assert ps.parameter_gathers(ps.one_f_one_b(p, m)[0], "every action") == (2 * m, 1)
+    assert ps.parameter_gathers(ps.one_f_one_b(p, m)[0], "while in use") == (1, 1)
+    for v in (2, 3):
+        bfs = ps.looped_bfs(p, m, v)[0]
+        assert ps.parameter_gathers(bfs, "while in use") == (2 * v - 1, 1)
+        assert ps.parameter_gathers(bfs, "whole step") == (v, v)
+        inter = ps.interleaved_1f1b(p, m, v)[0]
+        assert ps.parameter_gathers(inter, "every action") == (2 * m * v, 1)
+        assert ps.parameter_gathers(inter, "while in use")[0] > 2 * v - 1
+    with pytest.raises(ValueError, match="policy must be one of"):
+        ps.parameter_gathers(bfs, "sometimes")

@@ -456,3 +456,19 @@ def _llama_block_case(rank, ws):
 def test_parallel_llama_block_equals_the_dense_block():
     # the real-size lesson of chapter 07 runs this block on meta tensors: here it is proven
     assert distlab.run(_llama_block_case, 2, timeout=TIMEOUT) == [True, True]
+
+
+def test_gqa_copy_traffic_prices_ours_against_megatron_by_hand():
+    """Past n_kv_heads: ours all-gathers K and V (2·n_kv·d_head values per token), Megatron-LM
+    the whole QKV output ((n_heads + 2·n_kv)·d_head); each forward (all-gather) and backward
+    (reduce-scatter), (tp−1)/tp of the gathered bytes per rank on a ring. No copies: nothing."""
+    t = tpm.gqa_copy_traffic(8192, 64, 8, 16, tokens=1)           # Llama-3 70B at tp = 16, bf16
+    ring = 2 * 15 / 16 * 2                                          # fwd + bwd, (N-1)/N, 2 bytes
+    assert t["ours (gather K and V)"] == pytest.approx(ring * 2 * 8 * 128)
+    assert t["Megatron-LM (gather all of QKV)"] == pytest.approx(ring * (8192 + 2 * 8 * 128))
+    assert t["the layer's all-reduces"] == pytest.approx(2 * 2 * 15 / 16 * 8192 * 2)
+    assert t["Megatron-LM (gather all of QKV)"] == pytest.approx(5 * t["ours (gather K and V)"])
+    none = tpm.gqa_copy_traffic(8192, 64, 8, 8, tokens=3)
+    assert none["ours (gather K and V)"] == none["Megatron-LM (gather all of QKV)"] == 0
+    with pytest.raises(ValueError, match="does not split evenly across 12"):
+        tpm.gqa_copy_traffic(8192, 64, 8, 12, tokens=1)

@@ -2,17 +2,25 @@
 
 1. `check_sequence_parallel_pair`: the two autograd Functions of sequence parallelism — all-gather
    along the sequence in forward / reduce-scatter in backward (entering a TP region) and its
-   mirror (leaving one) — each run on real ranks (2 and 3) in a column- or row-parallel layer and
-   both in a residual MLP, compared in float64 with the dense layer: outputs, the input's
-   gradient, every weight shard's gradient. From the run's trace: each Function makes exactly
-   one collective of the whole activation in forward and exactly its conjugate in backward (an
-   all-reduce followed by a slice gives the right numbers and twice the bytes: refused).
+   mirror (leaving one) — each run in a column- or row-parallel layer and both in a residual MLP,
+   compared in float64 with the dense layer: outputs, the input's gradient, every weight shard's
+   gradient. They run on real SUBGROUPS (`LAYOUTS`: 4 ranks as two groups of 2, 5 ranks as
+   groups [1, 3] and [0, 2, 4]), each group on numbers of its own, so a Function that talks to
+   the whole world is refused. From the run's trace, one traffic rule (`_check_traffic`): every
+   collective and message on the group the Function was given, and each rank sending, in each
+   phase, (N−1)/N of the sequence — what a ring all-gather or reduce-scatter sends: nothing sent
+   where a sum over ranks must travel (a gradient kept locally) is refused, twice that (an
+   all-reduce and a slice) too; one collective or a hand-written ring of send/recv are alike.
+   What each Function saves for backward is measured: no more than this rank's own tokens.
+   torch's differentiable collectives (`torch.distributed.nn.functional`, the autograd
+   functional collectives) are refused: their backward is the exercise.
 2. `check_vocab_parallel_cross_entropy`: each rank holds a vocabulary shard of the logits
    (uneven shards included); the per-token loss and the logit shard's gradient must equal dense
    `F.cross_entropy` in float64, with logits near 1000 (float64's exp overflows above 709: a
-   missing max subtraction gives inf). From the trace: what travels in forward is a few numbers
-   per token, never a vocabulary's worth (an all-gather of the logits followed by a dense loss
-   gives the right numbers: refused, with why), and the backward sends nothing.
+   missing max subtraction gives inf). On the same subgroups as 1. From the trace: what travels
+   in forward is a few numbers per token on the group given, never a vocabulary's worth (an
+   all-gather of the logits followed by a dense loss gives the right numbers: refused, with
+   why), and the backward sends nothing.
 3. `check_tp_comm_estimate` (predict, then run): the learner's formula for one transformer
    layer's TP communication (forward + backward; with or without sequence parallelism) on a
    calibrated preset, compared term by term (latency alone, bandwidth alone, each dtype) with the
@@ -29,6 +37,7 @@ import re
 import types
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import cost as _cost
@@ -39,8 +48,9 @@ from .. import tp_comm as _tp_comm
 from .. import vocab_parallel as _vp
 from .. import trace as _trace
 from ..launch import RankFailed
+from ..emulate import _MODEL
 from . import (expect_arguments, learner_seconds, CheckFailed, UsedCourseCode, _not_written,
-               compare, forbid, passed, run, sizes_phrase, unsolved_stub)
+               _refusing_code, compare, forbid, passed, run, unsolved_stub)
 
 TOL = dict(atol=1e-9, rtol=1e-9)
 TIMEOUT = 30  # a learner's deadlock is reported (with where each rank waits) within this
@@ -86,6 +96,15 @@ def _run(rank_fn, ws, *args, name, is_function=False, **kw):
         if e.exc_type in (UsedCourseCode.__name__, CheckFailed.__name__):
             raise CheckFailed(said) from None
         text = str(e.exception or e)
+        if e.exc_type is None or "distributed_c10d.py" in (e.remote_traceback or ""):
+            # gloo's own words (sizes that differ, "Connection closed by peer") name no cause a
+            # learner can act on; in these checks it is a collective the ranks of a group did
+            # not all call alike — most often one that ran over the whole world
+            raise CheckFailed(
+                f"a collective in {name} failed on rank {e.rank} ({_first_line(text)}): the ranks "
+                f"of a group must call the same collectives with tensors of the same size, on the "
+                f"group they were given — pass group=group to every collective and size every "
+                f"buffer with dist.get_world_size(group), never the whole world's.") from None
         if e.exc_type == "RuntimeError" and "returned an invalid gradient" in text:
             found = re.search(r"Function (\w+?)Backward returned an invalid gradient at index "
                               r"(\d+) - got \[([\d, ]*)\] but expected shape compatible with "
@@ -97,6 +116,123 @@ def _run(rank_fn, ws, *args, name, is_function=False, **kw):
                     f"({want}): backward returns the gradient of forward's input, shaped like "
                     f"that input (here: the other collective of the pair).") from None
         raise
+
+
+def _first_line(text):
+    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "no message")
+    return line if len(line) <= 120 else line[:117] + "..."
+
+
+# ---- what the group-taking checks share: real subgroups, and one traffic rule ----------------
+
+# (world size, its tensor-parallel groups): two groups of 2 on 4 ranks; on 5 ranks groups of 2 and
+# 3 whose ranks are not 0..k. Each group gets numbers of its own, so a function that talks to the
+# whole world (group=None, dist.get_world_size()) gets the wrong shapes or another group's sums.
+LAYOUTS = ((4, ((0, 1), (2, 3))), (5, ((1, 3), (0, 2, 4))))
+
+
+def _my_group(rank, layout):
+    """Every rank creates every group (new_group is collective) and keeps its own: (group, its
+    global ranks, the group's index, this rank's place in it)."""
+    groups = [dist.new_group(list(ranks)) for ranks in layout]
+    index = next(i for i, ranks in enumerate(layout) if rank in ranks)
+    return groups[index], tuple(layout[index]), index, layout[index].index(rank)
+
+
+def _group_of(rank, layout):
+    return next(tuple(ranks) for ranks in layout if rank in ranks)
+
+
+def _layouts_phrase(layouts):
+    return ", and ".join(f"{ws} ranks as groups " + " and ".join(str(list(g)) for g in layout)
+                         for ws, layout in layouts)
+
+
+def _event_group(e, world_size):
+    return tuple(e["group"]) if e["group"] else tuple(range(world_size))
+
+
+def _off_group(calls, ranks, world_size):
+    """The first call that left the group: a collective over other ranks, a message to a rank
+    outside it."""
+    for e in calls:
+        if e["op"] in ("send", "recv"):
+            if e["peer"] is not None and e["peer"] not in ranks:
+                return e, f"a {e['op']} with rank {e['peer']}"
+        elif sorted(_event_group(e, world_size)) != sorted(ranks):
+            return e, f"a {e['op']} over ranks {list(_event_group(e, world_size))}"
+    return None, ""
+
+
+def _sent_bytes(calls, world_size):
+    """The bytes this rank put on the wire in `calls`, one rule for every kind of call: a
+    collective what its ring sends per rank (all-reduce 2(N−1)/N of the tensor, all-gather and
+    reduce-scatter (N−1)/N of the whole one), a message its size (a recv is the peer's send)."""
+    total = 0.0
+    for e in calls:
+        if e["op"] in ("recv", "barrier"):
+            continue
+        if e["op"] == "send":
+            total += e["bytes"]
+            continue
+        n = len(_event_group(e, world_size))
+        total += _cost.TERMS[_MODEL.get(e["op"], "send")](e["bytes"], n)[1] if n > 1 else 0
+    return total
+
+
+# torch's differentiable collectives: their backward is what the exercises ask for
+_TORCH_DIFFERENTIABLE = (
+    ("torch.distributed.nn.functional", ("all_gather", "reduce_scatter", "all_reduce",
+                                         "all_to_all", "all_to_all_single", "_all_gather_base",
+                                         "broadcast", "reduce", "gather", "scatter")),
+    ("torch.distributed._functional_collectives", (
+        "all_gather_tensor_autograd", "reduce_scatter_tensor_autograd",
+        "all_gather_single_autograd", "reduce_scatter_single_autograd",
+        "all_to_all_single_autograd")))
+
+
+@contextlib.contextmanager
+def _refuse_differentiable_collectives(exercise):
+    """Inside a rank: torch's autograd-aware collectives raise the check's sentence, however
+    they were imported (their code is swapped, as `forbid` does for the course's own)."""
+    import importlib
+    saved = []
+    for module_name, names in _TORCH_DIFFERENTIABLE:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for n in names:
+            fn = getattr(module, n, None)
+            code = getattr(fn, "__code__", None)
+            if code is None:
+                continue
+            message = (f"your code called torch's differentiable {module_name}.{n}, whose "
+                       f"backward torch wrote; the exercise is to {exercise}, with the plain "
+                       f"collectives of torch.distributed.")
+            saved.append((fn, code))
+            fn.__code__ = _refusing_code(message, code.co_freevars)
+    try:
+        yield
+    finally:
+        for fn, code in reversed(saved):
+            fn.__code__ = code
+
+
+@contextlib.contextmanager
+def _saved_for_backward(counter):
+    """Count the bytes autograd saves for backward inside the block (each storage once)."""
+    seen = set()
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            counter[0] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
 
 
 def _require_function_class(fn, example):
@@ -159,40 +295,53 @@ def _compare(got, expected, where, hint=lambda got, exp: ""):
 
 # ---- exercise 1: the sequence-parallel pair -----------------------------------------------------
 
-SP_WORLD_SIZES = (2, 3)
+SP_LAYOUTS = LAYOUTS
 SP_STEPS, LR = 2, 0.01
+SP_PER, SP_BATCH, SP_WIDTH = 2, 2, 3       # tokens per rank, sequences, width of the activation
 
 
-def _sp_rank(rank, ws, gather, scatter):
+def _sp_rank(rank, ws, gather, scatter, layout):
     """Three harnesses, each against the dense layer in this process: (a) the gather in front of
     a column-parallel layer, (b) the scatter after a row-parallel one, (c) both around a residual
-    MLP. Each rank holds `per` tokens of a (b, t, d) activation: t = per · ws."""
-    b, per, d, hidden = 2, 2, 3, 2 * ws
-    t, mine, cols = per * ws, slice(rank * per, rank * per + per), slice(2 * rank, 2 * rank + 2)
-    x, h = _ints((b, t, d), 31 + ws), _ints((b, t, hidden), 32 + ws)
-    g1, g2 = _ints((b, t, hidden), 33 + ws), _ints((b, t, d), 34 + ws)     # loss weightings
-    dense = {k: _ints(s, 35 + ws + i).requires_grad_() for i, (k, s) in enumerate(
+    MLP. The TP group is this rank's group of `layout`; each of its N ranks holds `per` tokens of
+    a (b, t, d) activation: t = per · N. Each group has numbers of its own."""
+    group, ranks, gi, r = _my_group(rank, layout)
+    n = len(ranks)
+    b, per, d, hidden = SP_BATCH, SP_PER, SP_WIDTH, 2 * n
+    t, mine, cols = per * n, slice(r * per, r * per + per), slice(2 * r, 2 * r + 2)
+    seed = 31 + 10 * n + 100 * gi
+    x, h = _ints((b, t, d), seed), _ints((b, t, hidden), seed + 1)
+    g1, g2 = _ints((b, t, hidden), seed + 2), _ints((b, t, d), seed + 3)     # loss weightings
+    dense = {k: _ints(s, seed + 4 + i).requires_grad_() for i, (k, s) in enumerate(
         (("w1", (hidden, d)), ("w2", (d, hidden)), ("w3", (hidden, d)), ("w4", (d, hidden)))
     )}
     shard = {"w1": dense["w1"][cols], "w2": dense["w2"][:, cols], "w3": dense["w3"][cols],
              "w4": dense["w4"][:, cols]}
     shard = {k: v.detach().clone().requires_grad_() for k, v in shard.items()}
     gname, sname = gather.__name__, scatter.__name__
-    refuse = dict(exercise="write the Function yourself")
-    steps = []
+
+    def guarded():                    # the course's Functions and torch's differentiable ones
+        stack = contextlib.ExitStack()
+        stack.enter_context(forbid(*_course_code(), exercise="write the Function yourself"))
+        stack.enter_context(_refuse_differentiable_collectives(
+            "write the Function's forward and backward yourself"))
+        return stack
+
+    steps, saved = [], {gname: [0], sname: [0]}
     for step in range(1, SP_STEPS + 1):
         got, want = {}, {}
         # (a) entering a TP region: my tokens in, the whole sequence out, into my output features
         xi = x[:, mine].clone().requires_grad_()
         with _trace.span(f"gather forward {step}"):
-            with forbid(*_course_code(), **refuse):
-                full = gather.apply(xi, None)
+            with guarded(), _saved_for_backward(saved[gname]):
+                full = gather.apply(xi, group)
             _returned_tensor(full, (b, t, d), f"{gname}.apply(x, group) with x of shape "
-                             f"{tuple(xi.shape)}", " — all ranks' tokens, gathered along the "
-                             "sequence (dim 1), in rank order")
+                             f"{tuple(xi.shape)}", f" — the tokens of the {n} ranks of `group` "
+                             f"(not of the whole world), gathered along the sequence (dim 1), in "
+                             f"the group's rank order")
             y = F.linear(full, shard["w1"])
         with _trace.span(f"gather backward {step}"):
-            with forbid(*_course_code(), **refuse):
+            with guarded():
                 (y * g1[..., cols]).sum().backward()
         xd = x.clone().requires_grad_()
         (F.linear(xd, dense["w1"]) * g1).sum().backward()
@@ -206,13 +355,13 @@ def _sp_rank(rank, ws, gather, scatter):
         hi = h[..., cols].clone().requires_grad_()
         with _trace.span(f"scatter forward {step}"):
             partial = F.linear(hi, shard["w2"])
-            with forbid(*_course_code(), **refuse):
-                out = scatter.apply(partial, None)
+            with guarded(), _saved_for_backward(saved[sname]):
+                out = scatter.apply(partial, group)
             _returned_tensor(out, (b, per, d), f"{sname}.apply(partial, group) with a partial "
-                             f"sum of shape {tuple(partial.shape)}", " — this rank's tokens "
-                             "(dim 1) of the sum over ranks")
+                             f"sum of shape {tuple(partial.shape)}", f" — this rank's tokens "
+                             f"(dim 1) of the sum over the {n} ranks of `group`")
         with _trace.span(f"scatter backward {step}"):
-            with forbid(*_course_code(), **refuse):
+            with guarded():
                 (out * g2[:, mine]).sum().backward()
         hd = h.clone().requires_grad_()
         yd = F.linear(hd, dense["w2"])
@@ -224,9 +373,9 @@ def _sp_rank(rank, ws, gather, scatter):
         # (c) both, around a residual MLP: x + fc2(gelu(fc1(x))), the loss of my tokens
         xi = x[:, mine].clone().requires_grad_()
         with _trace.span(f"mlp {step}"):
-            with forbid(*_course_code(), **refuse):
-                z = F.gelu(F.linear(gather.apply(xi, None), shard["w3"]))
-                yc = xi + scatter.apply(F.linear(z, shard["w4"]), None)
+            with guarded():
+                z = F.gelu(F.linear(gather.apply(xi, group), shard["w3"]))
+                yc = xi + scatter.apply(F.linear(z, shard["w4"]), group)
                 (yc ** 2).sum().backward()
         xd = x.clone().requires_grad_()
         ycd = xd + F.linear(F.gelu(F.linear(xd, dense["w3"])), dense["w4"])
@@ -243,7 +392,7 @@ def _sp_rank(rank, ws, gather, scatter):
                 shard[k] -= LR * shard[k].grad
                 dense[k] -= LR * dense[k].grad
                 shard[k].grad, dense[k].grad = None, None
-    return steps
+    return steps, {k: v[0] / SP_STEPS for k, v in saved.items()}
 
 
 def _stub_of(*functions):
@@ -262,42 +411,78 @@ def _stub_of(*functions):
     return " or ".join(cls.__name__ for cls in functions)
 
 
+# phase: (the collective a ring would make, why that much must travel, why nothing is not enough)
 _SP_RULES = {
-    "gather forward": ("all_gather", "x", "entering a TP region, every rank needs the whole "
-                       "sequence: exactly one all_gather of it (each rank sends its (N-1)/N share "
-                       "on a ring), no other collective."),
-    "gather backward": ("reduce_scatter", "x", "every rank used the gathered copy, so the "
-                        "gradient of each token is a sum over ranks, and each rank keeps only "
-                        "its own tokens of that sum: exactly one reduce_scatter — an all_reduce "
-                        "and a slice would give the same numbers for twice the bytes."),
-    "scatter forward": ("reduce_scatter", "y", "leaving a TP region, the partial sums are added "
-                        "and each rank keeps its tokens: exactly one reduce_scatter — an "
-                        "all_reduce and a slice would send twice the bytes."),
-    "scatter backward": ("all_gather", "y", "every rank's partial sum fed every token, so each "
-                         "needs the gradient of the whole sequence: exactly one all_gather of it."),
+    "gather forward": ("all_gather", "entering a TP region, every rank needs the whole sequence "
+                       "of its group: each rank sends its tokens to the N−1 others, (N−1)/N of "
+                       "the sequence on a ring (one all-gather)."),
+    "gather backward": ("reduce_scatter", "every rank of the group used the gathered copy, so the "
+                        "gradient of each token is a sum over the group's ranks, and each keeps "
+                        "only its own tokens of that sum: one reduce-scatter, (N−1)/N of the "
+                        "sequence per rank — an all-reduce and a slice give the same numbers for "
+                        "twice the bytes, and a gradient kept locally is only this rank's term."),
+    "scatter forward": ("reduce_scatter", "leaving a TP region, the group's partial sums are "
+                        "added and each rank keeps its tokens: one reduce-scatter, (N−1)/N of the "
+                        "sequence per rank — an all-reduce and a slice send twice the bytes."),
+    "scatter backward": ("all_gather", "every rank's partial sum fed every token, so each needs "
+                         "the gradient of its group's whole sequence: one all-gather, (N−1)/N of "
+                         "it per rank."),
 }
 
 
-def _check_sp_structure(trace, ws, names):
-    sizes = {"x": 2 * 2 * ws * 3 * 8, "y": 2 * 2 * ws * 3 * 8}
+def _check_traffic(trace, ws, layout, names):
+    """One rule for every phase, however the bytes are sent (one collective, a list form, a
+    hand-written ring of send/recv): every call on the rank's own group, and (N−1)/N of the
+    sequence sent per rank — not nothing, not twice that."""
     for rank in range(ws):
+        ranks = _group_of(rank, layout)
+        n = len(ranks)
+        S = SP_BATCH * SP_PER * n * SP_WIDTH * 8
+        expected = (n - 1) / n * S
+        where = f"on {_layouts_phrase([(ws, layout)])}"
         for step in range(1, SP_STEPS + 1):
-            for phase, (op, which, why) in _SP_RULES.items():
+            for phase, (op, why) in _SP_RULES.items():
+                who = names[0] if phase.startswith("gather") else names[1]
                 calls = _phase_calls(trace, rank, f"{phase} {step}")
-                ok = (len(calls) == 1 and calls[0]["op"] == op
-                      and calls[0]["bytes"] == sizes[which]
-                      and len(calls[0]["group"] or ()) in (0, ws))
-                if not ok:
-                    who = names[0] if phase.startswith("gather") else names[1]
+                head = f"{who} {where}, in step {step}'s {phase.split()[1]}: rank {rank}"
+                bad, what = _off_group(calls, ranks, ws)
+                if bad is not None:
                     raise CheckFailed(
-                        f"{who} with {ws} ranks, in step {step}'s {phase.split()[1]}: rank "
-                        f"{rank} made {_describe_calls(calls)} (from the run's trace); {why}")
+                        f"{head} made {what} (from the run's trace), outside its tensor-parallel "
+                        f"group {list(ranks)}: pass the `group` it was given to every collective "
+                        f"(without it a collective runs over the whole world).")
+                sent = _sent_bytes(calls, ws)
+                if sent == 0:
+                    made = f" although it called {_describe_calls(calls)}" if calls else ""
+                    raise CheckFailed(f"{head} sent nothing (from the run's trace){made}; {why}")
+                if not math.isclose(sent, expected, rel_tol=1e-9):
+                    raise CheckFailed(
+                        f"{head} sent {sent:,.0f} B ({_describe_calls(calls)}, from the run's "
+                        f"trace), {sent / expected:.3g}× the {expected:,.0f} B a ring {op} sends "
+                        f"(N = {n}); {why}")
 
 
-def check_sequence_parallel_pair(gather_function, scatter_function, world_sizes=SP_WORLD_SIZES):
+def _check_saved(saved, names, ws, layout):
+    """Sequence parallelism keeps only a rank's own tokens: its Functions save no more."""
+    for rank, per_function in enumerate(saved):
+        n = len(_group_of(rank, layout))
+        limit = SP_BATCH * SP_PER * SP_WIDTH * 8
+        for who in names:
+            if per_function[who] > limit:
+                raise CheckFailed(
+                    f"{who} on {_layouts_phrase([(ws, layout)])}: rank {rank}'s forward saved "
+                    f"{per_function[who]:,.0f} B for backward, more than its own tokens "
+                    f"({limit:,} B; the whole sequence is {n * limit:,} B) — sequence "
+                    f"parallelism exists so that a rank keeps only its tokens, and this "
+                    f"Function's backward needs nothing from forward but the group (keep it in "
+                    f"ctx).")
+
+
+def check_sequence_parallel_pair(gather_function, scatter_function, layouts=SP_LAYOUTS):
     """gather_function: an autograd.Function, apply(x, group): all-gather along dim 1 (the
     sequence) in forward, reduce-scatter along dim 1 in backward. scatter_function: the mirror,
-    apply(partial, group): reduce-scatter along dim 1 in forward, all-gather in backward."""
+    apply(partial, group): reduce-scatter along dim 1 in forward, all-gather in backward.
+    `layouts`: [(world size, its groups)], run in turn."""
     names = (_require_function_class(gather_function, "AllGatherSequence"),
              _require_function_class(scatter_function, "ReduceScatterSequence"))
     stub = unsolved_stub(*(getattr(cls, m) for cls in (gather_function, scatter_function)
@@ -307,42 +492,46 @@ def check_sequence_parallel_pair(gather_function, scatter_function, world_sizes=
     labels = {"a": f"{names[0]} in front of a column-parallel layer",
               "b": f"{names[1]} after a row-parallel layer",
               "c": f"a residual MLP between {names[0]} and {names[1]}"}
-    for ws in world_sizes:
+    for ws, layout in layouts:
         try:
-            results = _run(_sp_rank, ws, gather_function, scatter_function,
+            results = _run(_sp_rank, ws, gather_function, scatter_function, layout,
                            name=f"{names[0]} or {names[1]}", is_function=True)
         except NotImplementedError:
             raise _not_written(_stub_of(gather_function, scatter_function)) from None
-        for rank, steps in enumerate(results):
+        for rank, (steps, _) in enumerate(results):
+            n = len(_group_of(rank, layout))
             for step, (got, want, own) in enumerate(steps, 1):
                 for part in "abc":
                     def hint(what, value, part=part):
                         if part == "a" and what.startswith("gradient") and torch.allclose(
                                 value, own, **TOL):
-                            return (" — that is only this rank's own term: every rank used the "
-                                    "gathered copy of these tokens, so their gradient is the sum "
-                                    "over ranks of each rank's gradient for them (sum, then keep "
-                                    "this rank's tokens: a reduce-scatter)")
-                        if _scaled(value, want[part][what], ws):
-                            return (f" ({what} is {ws}× the right one: {ws} = the number of "
-                                    f"ranks)")
+                            return (" — that is only this rank's own term: every rank of the "
+                                    "group used the gathered copy of these tokens, so their "
+                                    "gradient is the sum over the group of each rank's gradient "
+                                    "for them (sum, then keep this rank's tokens)")
+                        if _scaled(value, want[part][what], n):
+                            return (f" ({what} is {n}× the right one: {n} = the number of "
+                                    f"ranks in the group)")
                         return ""
                     _compare(got[part], want[part],
-                             f"{labels[part]} with {ws} ranks, rank {rank}, step {step}", hint)
-        _check_sp_structure(results.trace, ws, names)
+                             f"{labels[part]} on {_layouts_phrase([(ws, layout)])}, rank {rank} "
+                             f"(group {list(_group_of(rank, layout))}), step {step}", hint)
+        _check_traffic(results.trace, ws, layout, names)
+        _check_saved([saved for _, saved in results], names, ws, layout)
     passed(f"{names[0]} and {names[1]} make a column-parallel layer, a row-parallel layer and a "
            f"residual MLP equal to the dense ones for {SP_STEPS} SGD steps — outputs, the "
            f"gradient of each rank's tokens, every weight shard's gradient — on "
-           f"{sizes_phrase(world_sizes)} ranks, with one all-gather forward and one "
-           f"reduce-scatter backward (and the mirror), nothing else.")
+           f"{_layouts_phrase(layouts)}, each group on its own numbers; every rank sent "
+           f"(N−1)/N of the sequence in each direction on its own group, as a ring all-gather "
+           f"and reduce-scatter do, and saved nothing for backward beyond its own tokens.")
 
 
 # ---- exercise 2: vocab-parallel cross-entropy ---------------------------------------------------
 
-# (tokens, vocabulary, logit offset) per world size: vocabularies that split unevenly (13 on 2,
+# (tokens, vocabulary, logit offset) per group size: vocabularies that split unevenly (13 on 2,
 # 20 on 3 as 7/7/6) and logits near 1000, where float64's exp overflows (above 709).
 VOCAB_CASES = {2: ((4, 13, 0.0), (6, 16, 1000.0)), 3: ((5, 20, 1000.0), (3, 16, 0.0))}
-VOCAB_WORLD_SIZES = (2, 3)
+VOCAB_LAYOUTS = LAYOUTS
 PER_TOKEN = 3    # numbers per token a rank may send in forward: max, sum of exps, target logit
 
 
@@ -363,15 +552,19 @@ def _reference_logits(tokens, vocab, offset, ws, seed):
     return z, target, weighting
 
 
-def _vocab_rank(rank, ws, fn, name):
+def _vocab_rank(rank, ws, fn, name, layout):
+    """The cases of this rank's group size, on its group; each group has logits of its own."""
+    group, ranks, gi, r = _my_group(rank, layout)
+    n = len(ranks)
     out = []
-    for c, (tokens, vocab, offset) in enumerate(VOCAB_CASES[ws]):
-        z, target, weighting = _reference_logits(tokens, vocab, offset, ws, 50 + 10 * ws + c)
-        start, size = _vocab_shards(vocab, ws)[rank]
+    for c, (tokens, vocab, offset) in enumerate(VOCAB_CASES[n]):
+        z, target, weighting = _reference_logits(tokens, vocab, offset, n,
+                                                 50 + 10 * n + c + 100 * gi)
+        start, size = _vocab_shards(vocab, n)[r]
         shard = z[:, start:start + size].clone().requires_grad_()
         with _trace.span(f"forward {c}"):
             with forbid(*_course_code(), exercise="write the loss yourself"):
-                loss = fn(shard, target.clone(), start, None)
+                loss = fn(shard, target.clone(), start, group)
             _returned_tensor(loss, (tokens,), f"{name}(logits_shard, target, vocab_start, group)",
                              " — one loss per token, the same on every rank (no mean, no sum)")
         with _trace.span(f"backward {c}"):
@@ -387,29 +580,40 @@ def _vocab_rank(rank, ws, fn, name):
     return out
 
 
-def _vocab_where(ws, c):
-    tokens, vocab, offset = VOCAB_CASES[ws][c]
-    split = "/".join(str(s) for _, s in _vocab_shards(vocab, ws))
-    return (f"{tokens} tokens, a vocabulary of {vocab} split {split} over {ws} ranks, logits "
+def _vocab_where(ranks, c):
+    n = len(ranks)
+    tokens, vocab, offset = VOCAB_CASES[n][c]
+    split = "/".join(str(s) for _, s in _vocab_shards(vocab, n))
+    return (f"{tokens} tokens, a vocabulary of {vocab} split {split} over the group "
+            f"{list(ranks)}, logits "
             f"{'near ' + format(offset, 'g') if offset else 'between -12 and 12'}")
 
 
-def _check_vocab_structure(trace, ws, name):
-    for c, (tokens, vocab, _) in enumerate(VOCAB_CASES[ws]):
-        limit = PER_TOKEN * tokens * 8
-        for rank in range(ws):
+def _check_vocab_structure(trace, ws, layout, name):
+    for rank in range(ws):
+        ranks = _group_of(rank, layout)
+        n = len(ranks)
+        for c, (tokens, vocab, _) in enumerate(VOCAB_CASES[n]):
+            limit = PER_TOKEN * tokens * 8
             calls = _phase_calls(trace, rank, f"forward {c}")
+            bad, what = _off_group(calls + _phase_calls(trace, rank, f"backward {c}"), ranks, ws)
+            if bad is not None:
+                raise CheckFailed(
+                    f"{name} ({_vocab_where(ranks, c)}): rank {rank} made {what} (from the run's "
+                    f"trace), outside its tensor-parallel group {list(ranks)}: pass the `group` "
+                    f"it was given to every collective (without it a collective runs over the "
+                    f"whole world).")
             # what this rank contributes: an all-gather's trace bytes are the gathered result
-            sent = [(e, e["bytes"] // ws if e["op"] in ("all_gather", "gather") else e["bytes"])
-                    for e in calls]
+            sent = [(e, e["bytes"] // n if e["op"] in ("all_gather", "gather") else e["bytes"])
+                    for e in calls if e["op"] not in ("recv", "barrier")]
             worst = max(sent, key=lambda s: s[1], default=None)
             total = sum(s for _, s in sent)
             if worst is not None and (worst[1] > limit or total > limit + tokens * 8):
                 per_token = total / (tokens * 8)
                 whole = (" — a vocabulary shard's worth, the logits themselves"
-                         if per_token >= 0.9 * vocab / ws else "")
+                         if per_token >= 0.9 * vocab / n else "")
                 raise CheckFailed(
-                    f"{name} ({_vocab_where(ws, c)}): in forward, rank {rank} made "
+                    f"{name} ({_vocab_where(ranks, c)}): in forward, rank {rank} made "
                     f"{_describe_calls(calls)} (from the run's trace), {per_token:.3g} numbers of 8 "
                     f"bytes per token{whole}. Vocab parallelism exists so that no rank ever "
                     f"holds the (tokens × vocabulary) logits — at a 128k vocabulary and 8k tokens "
@@ -419,14 +623,14 @@ def _check_vocab_structure(trace, ws, name):
             back = _phase_calls(trace, rank, f"backward {c}")
             if back:
                 raise CheckFailed(
-                    f"{name} ({_vocab_where(ws, c)}): in backward, rank {rank} made "
+                    f"{name} ({_vocab_where(ranks, c)}): in backward, rank {rank} made "
                     f"{_describe_calls(back)} (from the run's trace); the gradient of a logit is "
                     f"local — (softmax − one-hot of the target) × the incoming gradient, from "
                     f"the max and the sum of exps the forward already has — so the backward "
                     f"sends nothing.")
 
 
-def check_vocab_parallel_cross_entropy(fn, world_sizes=VOCAB_WORLD_SIZES):
+def check_vocab_parallel_cross_entropy(fn, layouts=VOCAB_LAYOUTS):
     """fn(logits_shard, target, vocab_start, group) -> the per-token cross-entropy (tokens,),
     the same on every rank; logits_shard (tokens, my vocabulary entries) holds the entries
     vocab_start ... vocab_start + logits_shard.shape[1] - 1."""
@@ -439,11 +643,13 @@ def check_vocab_parallel_cross_entropy(fn, world_sizes=VOCAB_WORLD_SIZES):
         c, torch.autograd.Function) for m in ("forward", "backward")))
     if stub is not None:
         raise _not_written(f"{stub.__qualname__}, which {name} uses,")
-    for ws in world_sizes:
-        results = _run(_vocab_rank, ws, fn, name, name=name)
+    for ws, layout in layouts:
+        results = _run(_vocab_rank, ws, fn, name, layout, name=name)
         for rank, cases in enumerate(results):
+            ranks = _group_of(rank, layout)
+            n = len(ranks)
             for c, (got, want, onehot) in enumerate(cases):
-                offset = VOCAB_CASES[ws][c][2]
+                offset = VOCAB_CASES[n][c][2]
 
                 def hint(what, value, want=want, onehot=onehot, offset=offset):
                     if not torch.isfinite(value).all():
@@ -455,20 +661,21 @@ def check_vocab_parallel_cross_entropy(fn, world_sizes=VOCAB_WORLD_SIZES):
                         return (" — the loss is log Σ_v exp(z_v − M) + M − z_target, the sum "
                                 "over every rank's shard, M the max over them all, z_target "
                                 "from the rank whose shard holds the target")
-                    if _scaled(value, want[what], ws):
-                        return (f" (the gradient is {ws}× the right one: every rank computed "
+                    if _scaled(value, want[what], n):
+                        return (f" (the gradient is {n}× the right one: every rank computed "
                                 f"the same loss, so nothing is summed over ranks in backward)")
                     if torch.allclose(value, want[what] + onehot, **TOL):
                         return (" — the −1 at the target is missing: it belongs to the rank "
                                 "whose shard holds the target (softmax − one-hot)")
                     return (" — the gradient of a logit is (softmax_v − [v = target]) × the "
                             "incoming gradient of its token's loss")
-                _compare(got, want, f"{name} ({_vocab_where(ws, c)}), rank {rank}", hint)
-        _check_vocab_structure(results.trace, ws, name)
+                _compare(got, want, f"{name} ({_vocab_where(ranks, c)}), rank {rank}", hint)
+        _check_vocab_structure(results.trace, ws, layout, name)
     passed(f"{name} equals dense F.cross_entropy in float64 — every per-token loss and every "
-           f"logit shard's gradient — on {sizes_phrase(world_sizes)} ranks, vocabularies split "
-           f"unevenly, logits near 1000; in forward it sent at most {PER_TOKEN} numbers per token "
-           f"(never the logits), in backward nothing.")
+           f"logit shard's gradient — on {_layouts_phrase(layouts)}, each group on logits of its "
+           f"own, vocabularies split unevenly, logits near 1000; in forward it sent at most "
+           f"{PER_TOKEN} numbers per token (never the logits), on its own group, in backward "
+           f"nothing.")
 
 
 # ---- exercise 3: predict, then run — one layer's TP communication -------------------------------

@@ -24,16 +24,18 @@ waits for the tensors it needs - but with fixed durations, and returns every act
 end. The same timeline drawing (distlab.viz.pipeline) is used for simulated and measured runs.
 
 The package, one module per idea: `actions` (actions, Schedule, placements), `classic` (GPipe,
-1F1B, interleaved), `zero_bubble` (ZB-H1, ZB-V), `dual` (DualPipeV, DualPipe), `bubbles` (the
-closed forms), `simulator` (validate, simulate, bubble_fraction, peak_in_flight).
+1F1B, interleaved, looped BFS), `zero_bubble` (ZB-H1, ZB-V), `dual` (DualPipeV, DualPipe),
+`bubbles` (the closed forms), `simulator` (validate, simulate, bubble_fraction, peak_in_flight;
+back_to_back and steady_bubble for steps with no barrier between them; parameter_gathers for a
+schedule under ZeRO-3/FSDP).
 """
 from .actions import (KINDS, PLACEMENTS, Action, Schedule, _check, direction, n_pieces,
                       normalize, placement_of, stage_of, virtual_stage)
 from .bubbles import dualpipe_bubble, theory, theory_bubble, zb_h1_bubble, zb_v_bubble
-from .classic import gpipe, interleaved_1f1b, one_f_one_b
+from .classic import gpipe, interleaved_1f1b, looped_bfs, one_f_one_b
 from .dual import dualpipe, dualpipe_v
-from .simulator import (_messages, bubble_fraction, check_message_order, peak_in_flight,
-                        simulate, validate)
+from .simulator import (_messages, back_to_back, bubble_fraction, check_message_order,
+                        parameter_gathers, peak_in_flight, simulate, steady_bubble, validate)
 from .zero_bubble import zb_h1, zb_v
 
 V_SCHEDULES = {"ZB-V": zb_v, "DualPipeV": dualpipe_v}

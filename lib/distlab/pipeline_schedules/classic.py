@@ -1,4 +1,5 @@
-"""The one-chunk-at-a-time schedules: GPipe, 1F1B, and Megatron's interleaved 1F1B."""
+"""The schedules without a split backward: GPipe, 1F1B, Megatron's interleaved 1F1B, and the
+breadth-first looped BFS."""
 from .actions import Action, _check
 
 
@@ -51,3 +52,21 @@ def interleaved_1f1b(p, m, v=2):
         actions += [nth(k, True) for k in range(total - warmup, total)]
         schedule.append(actions)
     return schedule
+
+
+def looped_bfs(p, m, v=2):
+    """Looped BFS (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism"; torch's
+    ScheduleLoopedBFS): v chunks per stage in the loop placement, like interleaved 1F1B, but run
+    breadth-first — every micro-batch through chunk 0, then every one through chunk 1, …; then
+    the backwards, the last chunk first and each chunk's micro-batches last-in first-out.
+
+    Its ramp is paid in chunks, as interleaving's is, but a stage holds all m·v chunks'
+    activations at once (GPipe's memory); what it buys is that a chunk's parameters are used by
+    all m micro-batches in a row — under ZeRO-3/FSDP, gathered once per chunk and direction
+    instead of once per micro-batch (`parameter_gathers`). m need not be a multiple of p."""
+    _check(p, m)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"v (chunks per stage) must be a whole number >= 1; got {v!r}.")
+    forwards = [Action("F", mb, c) for c in range(v) for mb in range(m)]
+    backwards = [Action("B", mb, c) for c in reversed(range(v)) for mb in reversed(range(m))]
+    return [forwards + backwards for _ in range(p)]

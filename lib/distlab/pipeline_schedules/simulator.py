@@ -1,7 +1,8 @@
 """Checking a schedule and simulating it: every stage runs its list in order, waits for the
 tensors it needs, and each action takes a fixed time; what a timeline says (bubble, memory)."""
 from .. import _argcheck as check
-from .actions import _check, direction, n_pieces, normalize, placement_of, stage_of, virtual_stage
+from .actions import (Action, Schedule, _check, direction, n_pieces, normalize, placement_of,
+                      stage_of, virtual_stage)
 
 
 def validate(schedule, m, placement=None):
@@ -210,3 +211,64 @@ def _check_simulate(schedule, m, t_f, t_b, t_w, comm, t_fb):
     if t_w is not None and not 0 <= check.positive(t_w, "t_w", allow_zero=True) <= t_b:
         raise ValueError(f"t_w (the weight-gradient part of the backward) must be at most "
                          f"t_b = {t_b}; got {t_w}.")
+
+
+def back_to_back(schedule, m, steps):
+    """`steps` training steps of `schedule` run one after the other with no barrier between them:
+    step k's micro-batches are numbered k·m … k·m + m − 1, and each stage starts step k + 1 as
+    soon as its own list of step k is done. That is what a stage may do when nothing
+    synchronises the stages at the optimizer step (ZB-H2's and ZB-V's "post-validation": step
+    at once, check the global gradient norm and NaN/inf afterwards, roll back the rare step that
+    fails). Simulate it with m·steps micro-batches."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a whole number >= 1; got {steps!r}.")
+    stages = [[Action(a.kind, a.mb + k * m, a.chunk) for k in range(steps) for a in actions]
+              for actions in normalize(schedule)]
+    return Schedule(stages, placement_of(schedule), None) if isinstance(schedule, Schedule) \
+        else stages
+
+
+def steady_bubble(schedule, m, t_f=1.0, t_b=2.0, t_w=None, steps=3):
+    """The idle share of one step once steps run back to back (`back_to_back`): 1 − a step's
+    work per stage over the period between the ends of the last two steps. Equal to
+    `bubble_fraction` of one step when every step must wait for the previous one to end."""
+    if steps < 2:
+        raise ValueError(f"steady_bubble needs steps >= 2 to measure a period; got {steps!r}.")
+    ends = []
+    for k in (steps - 1, steps):
+        timeline = simulate(back_to_back(schedule, m, k), m * k, t_f, t_b, t_w)
+        ends.append(max(e["end"] for e in timeline))
+    work = max(sum(e["end"] - e["start"] for e in timeline if e["stage"] == r)
+               for r in {e["stage"] for e in timeline}) / steps
+    return 1.0 - work / (ends[1] - ends[0])
+
+
+def parameter_gathers(actions, policy):
+    """How many times one stage all-gathers a chunk's parameters in a step when they are sharded
+    over a data-parallel group (ZeRO-3 / FSDP), for its list `actions`, and the most chunks it
+    holds whole at once: (gathers, peak chunks held). `policy`:
+
+    - "every action": gathered for each action and freed after it (FSDP's reshard after forward
+      and after backward, inside a pipeline): F, B (and I) each gather; W too;
+    - "while in use": kept while consecutive actions use the same chunk, freed when the stage
+      turns to another chunk;
+    - "whole step": gathered at a chunk's first use, kept to the end of the step (torchtitan's
+      default with PP: no reshard after forward, the parameters resharded after the last
+      backward) — the fewest gathers, the most held.
+    """
+    policies = ("every action", "while in use", "whole step")
+    if policy not in policies:
+        raise ValueError(f"policy must be one of {policies}; got {policy!r}.")
+    actions = normalize([actions])[0]
+    gathers, held, peak, previous = 0, set(), 0, None
+    for a in actions:
+        if policy == "every action":
+            gathers, peak = gathers + 1, max(peak, 1)
+            continue
+        if policy == "while in use" and previous is not None and a.chunk != previous:
+            held.discard(previous)
+        if a.chunk not in held:
+            gathers += 1
+            held.add(a.chunk)
+        peak, previous = max(peak, len(held)), a.chunk
+    return gathers, peak

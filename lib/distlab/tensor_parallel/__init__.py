@@ -4,9 +4,10 @@
     RowParallelLinear      W split by INPUT features: rank r computes a partial sum of y
     ParallelMLP            column → GELU → row: one all-reduce forward, one backward (Megatron)
     ParallelAttention      q, k, v column-parallel by heads; the output projection row-parallel;
-                           grouped-query attention with n_kv_heads (K/V heads shared, Megatron)
+                           grouped-query attention with n_kv_heads (K/V heads shared)
     ParallelBlock          distlab.models.Block, tensor parallel, optionally sequence parallel
     kv_head_split          how far grouped-query attention's K/V heads split, and their copies
+    gqa_copy_traffic       what the copies cost in bytes: ours against Megatron-LM's
     model_parallel_seed    dropout's two random streams under TP (Megatron's RNG tracker)
 (The vocabulary-parallel embedding, LM head and loss live in distlab.vocab_parallel.)
 
@@ -20,11 +21,11 @@ a reduce-scatter (leaving a region) and an all-gather (entering the next one): t
 but LayerNorm and the residual stream hold 1/tp of the sequence on each rank.
 
 The package, one module per idea: `layers` (the column/row layers, replicated), `attention`
-(ParallelAttention, kv_head_split), `block` (ParallelMLP, ParallelBlock), `measure`
+(ParallelAttention, kv_head_split, gqa_copy_traffic), `block` (ParallelMLP, ParallelBlock), `measure`
 (dense_shards, sequence_slice, saved_activation_bytes), `real_size` (ParallelLlamaBlock,
 tp_block_seconds), `rng` (RNGTracker, model_parallel_seed).
 """
-from .attention import ParallelAttention, kv_head_split
+from .attention import ParallelAttention, gqa_copy_traffic, kv_head_split
 from .block import ParallelBlock, ParallelMLP
 from .layers import (ColumnParallelLinear, RowParallelLinear, _copy_shards, _reset, per_rank,
                      replicated)

@@ -21,10 +21,13 @@ class ParallelAttention(nn.Module):
     head per query head): K/V head j serves query heads j·g ... (j+1)·g − 1, g = n_heads /
     n_kv_heads, so a rank needs the K/V heads of its own query heads (`q_heads`, `kv_heads`).
     While tp <= n_kv_heads they are its even share, n_kv_heads / tp. Past it, one K/V head
-    serves the query heads of `kv_copies` = tp / n_kv_heads ranks (kv_head_split). As in
-    Megatron-LM, the weights stay evenly split: each of those ranks projects 1/kv_copies of
-    the head's width, the K/V activations are all-gathered and each rank keeps its head — and
-    the all-gather's backward, a reduce-scatter, sums the gradients of the ranks that share it.
+    serves the query heads of `kv_copies` = tp / n_kv_heads ranks (kv_head_split). The course's
+    scheme keeps every weight evenly split: each of those ranks projects 1/kv_copies of the K/V
+    head's width, only the K and V activations are all-gathered and each rank keeps its head —
+    and the all-gather's backward, a reduce-scatter, sums the gradients of the ranks that share
+    it. Megatron-LM does it another way, which moves more (`gqa_copy_traffic`): its fused QKV
+    weight is interleaved by group (q1 q2 k1 v1 | q3 q4 k2 v2 ...) and split contiguously, so a
+    rank may hold query rows only, and the layer all-gathers the WHOLE QKV output.
     """
 
     def __init__(self, d_model, n_heads, group=None, sequence_parallel=False, dtype=None,
@@ -92,9 +95,10 @@ def kv_head_split(n_heads, n_kv_heads, tp):
     heads always split (tp must divide them); the K/V heads split while tp <= n_kv_heads, and
     past that each rank needs ONE K/V head, the one its query heads share, and that head is
     needed on `copies` = tp / n_kv_heads ranks. vLLM replicates that head's weights on those
-    ranks (inference: no gradients); Megatron-LM keeps the weights evenly split and all-gathers
-    the K/V activations (ParallelAttention). Either way the rank's K/V activations — and its
-    KV cache — are `copies` times the even share; under vLLM its K/V weights are too."""
+    ranks (inference: no gradients); Megatron-LM all-gathers the whole QKV output, the course's
+    ParallelAttention only the K/V activations (`gqa_copy_traffic` prices both). Either way the
+    rank's K/V activations — and its KV cache — are `copies` times the even share; under vLLM
+    its K/V weights are too."""
     n_heads, n_kv_heads = check.whole(n_heads, "n_heads", 1), check.whole(n_kv_heads, "n_kv_heads")
     tp = check.whole(tp, "tp", at_least=1)
     if n_kv_heads < 1 or n_heads % n_kv_heads:
@@ -116,6 +120,35 @@ def kv_head_split(n_heads, n_kv_heads, tp):
                          f"n_kv_heads, so that every K/V head is shared by the same number of "
                          f"ranks; choose one of {valid}.")
     return {"q heads": n_heads // tp, "kv heads": 1, "copies": tp // n_kv_heads}
+
+
+def gqa_copy_traffic(hidden, n_heads, n_kv_heads, tp, tokens, bytes_per_value=2):
+    """Bytes each rank sends per attention layer, forward + backward, on a ring over the `tp`
+    ranks, for `tokens` tokens: {scheme: bytes}. Past n_kv_heads the K/V heads have copies, and
+    the ranks that share one must get its activations:
+
+    - "ours (gather K and V)": ParallelAttention all-gathers K and V of every K/V head
+      (2·n_kv·d_head values per token) and reduce-scatters their gradients in backward;
+    - "Megatron-LM (gather all of QKV)": `SelfAttention.get_query_key_value_tensors`, branch
+      `num_query_groups < world_size`, all-gathers the whole fused QKV output
+      ((n_heads + 2·n_kv)·d_head values per token: the queries too) and its backward
+      reduce-scatters it;
+    - "the layer's all-reduces": what the attention pays anyway, one all-reduce of the hidden
+      state forward and one backward.
+    The α-β model's ring volumes (cost.terms); no copies (tp <= n_kv_heads): nothing extra."""
+    from .. import cost
+    d_head = hidden // n_heads
+    copies = kv_head_split(n_heads, n_kv_heads, tp)["copies"]
+
+    def gathered(values_per_token):      # all-gather forward + reduce-scatter backward
+        nbytes = tokens * values_per_token * bytes_per_value
+        return (cost.terms("ring_all_gather", nbytes, tp)[1]
+                + cost.terms("ring_reduce_scatter", nbytes, tp)[1]) if copies > 1 else 0.0
+
+    hidden_bytes = tokens * hidden * bytes_per_value
+    return {"ours (gather K and V)": gathered(2 * n_kv_heads * d_head),
+            "Megatron-LM (gather all of QKV)": gathered((n_heads + 2 * n_kv_heads) * d_head),
+            "the layer's all-reduces": 2 * cost.terms("ring_all_reduce", hidden_bytes, tp)[1]}
 
 
 def _check_heads(d_model, n_heads, group):

@@ -173,3 +173,45 @@ def tp_sp_block(ax=None):
     ax.set_aspect("equal")
     ax.axis("off")
     return ax
+
+
+def collective_matmul(chunks=4, t_comm=1.0, t_gemm=1.2, ax=None):
+    """Async TP / collective matmul as a schedule, on one rank: the sequence-parallel all-gather
+    feeding a column-parallel matmul, first one after the other (the matmul waits for the whole
+    gather), then cut into `chunks` pieces — piece k + 1 arrives while piece k is multiplied, so
+    only the first piece's transfer stays exposed. Times are illustrative units: the gather and
+    the matmul each split evenly (t_comm and t_gemm in all). Returns the two step lengths."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 2.6))
+    comm, gemm = "#C44E52", "#4C72B0"
+    rows = {"one after the other": 1.6, f"in {chunks} pieces, overlapped": 0.4}
+    serial = t_comm + t_gemm
+    for label, y in rows.items():
+        if label.startswith("one"):
+            spans = [(0.0, t_comm, comm, "all-gather"), (t_comm, t_gemm, gemm, "matmul")]
+        else:
+            c, g, spans = t_comm / chunks, t_gemm / chunks, []
+            done = 0.0                               # when the matmul of the last piece ended
+            for k in range(chunks):
+                arrived = (k + 1) * c                # transfers run back to back on the link
+                start = max(arrived, done)
+                spans += [(k * c, c, comm, str(k)), (start, g, gemm, str(k))]
+                done = start + g
+            overlapped = done
+        for start, width, colour, text in spans:
+            lane = y + (0.45 if colour == comm else 0.0)
+            ax.broken_barh([(start, width)], (lane, 0.4), facecolors=colour, edgecolor="black",
+                           linewidth=0.6)
+            ax.text(start + width / 2, lane + 0.2, text, ha="center", va="center", fontsize=8,
+                    color="white")
+    ax.set_yticks([y + 0.42 for y in rows.values()], list(rows))
+    ax.set_xlabel("time (illustrative units)")
+    ax.set_xlim(0, serial * 1.02)
+    ax.set_ylim(0.2, 2.6)
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color=comm, label="all-gather (link)"),
+                       Patch(color=gemm, label="matmul (SMs)")], loc="upper right", fontsize=8)
+    ax.set_title("collective matmul: the gather streamed into the matmul, piece by piece",
+                 fontsize=9)
+    ax.figure.tight_layout()
+    return {"one after the other": serial, "overlapped": overlapped}
