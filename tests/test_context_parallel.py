@@ -264,7 +264,8 @@ def test_the_overlap_condition_the_chapter_quotes():
     _says(f"would move it to {cp.overlap_condition(740e12, nic, causal=True):,.0f}, the datasheet "
           f"peak's to {cp.overlap_condition(989e12, nic, causal=True):,.0f}")
     # the closed form's crossover and the bisection on the calibrated step agree (latency apart)
-    rate = ib.device.peak(torch.bfloat16) * ib.device.gemm_efficiency(32_768, 32_768, 128, batch=32)
+    rate = ib.device.peak(torch.bfloat16) * ib.device.attention_efficiency(
+        hardware.AttentionShape(32_768, 32_768, 128, 32, False, False))
     assert 1.0 <= at_ib / cp.overlap_condition(rate, nic, causal=True) < 1.02
 
 
@@ -305,7 +306,8 @@ def test_the_emulated_ring_exposure_and_zigzag_balance_the_chapter_quotes():
           f"{exposed[2]}")
     _says(f"(16,384 tokens per rank: {exposed[3]})")
     zigzag, contiguous = [[t[i][2] - t[i][0] for t in run] for i in (4, 5)]
-    assert max(zigzag) / min(zigzag) < 1.001                     # balanced in time
+    # balanced in time, within the diagonal blocks' causal kernel running at its own rate
+    assert max(zigzag) / min(zigzag) < 1.01
     _says(f"{max(contiguous) / max(zigzag):.2f} times zig-zag's")
 
 

@@ -568,3 +568,112 @@ def test_global_batch_aux_is_the_whole_batch_loss():
     from distlab.moe import z_loss
     empty = moe.router(parts[2])
     assert load_balancing_loss(routings[2]).item() == z_loss(empty).item() == 0.0
+
+
+# ---- around the all-to-all (distlab.moe_at_scale): grouped GEMM, EP × TP, overlap -----------------
+
+def test_grouped_experts_equal_the_loop_forward_and_backward_with_padding_and_empty_groups():
+    from distlab import moe_at_scale
+    from distlab.moe import make_moe
+    moe = make_moe(seed=1, d_model=16, hidden=32, n_experts=4)
+    experts = list(moe.experts)
+    expert_of_row = torch.tensor([3, 0, 0, 3, 3, 1, 0, 3, 3, 3, 0])        # expert 2: no row
+    rows = torch.randn(len(expert_of_row), 16, generator=torch.Generator().manual_seed(0),
+                       requires_grad=True)
+    index, ends, padding = moe_at_scale.permute(expert_of_row, 4, align=8)
+    assert ends.tolist() == [8, 16, 16, 24] and padding == 24 - 11
+    assert sorted(index[index >= 0].tolist()) == list(range(11))
+    out, _ = moe_at_scale.grouped_experts(rows, expert_of_row, experts)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out * weights).sum().backward()
+    grads = [p.grad.clone() for p in moe.experts.parameters()] + [rows.grad.clone()]
+    moe.zero_grad()
+    rows.grad = None
+    loop = torch.stack([experts[int(e)](rows[i]) for i, e in enumerate(expert_of_row)])
+    (loop * weights).sum().backward()
+    assert torch.allclose(out, loop, atol=1e-5)
+    # the loop never calls expert 2 (its gradient None); the grouped GEMM gives it zeros
+    wanted = [torch.zeros_like(p) if p.grad is None else p.grad for p in moe.experts.parameters()]
+    for got, want in zip(grads, wanted + [rows.grad]):
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def _scale_ranks(rank, world_size):
+    """EP × TP = 2 × 2 against one process (float64), and the grouped EP layer at EP 4 (float32):
+    the largest difference of each."""
+    from distlab import moe_at_scale
+    from distlab.moe import make_moe
+    tokens = lambda r, dtype: torch.randn(10, 16, dtype=dtype,                    # noqa: E731
+                                          generator=torch.Generator().manual_seed(100 + r))
+    ep_group, tp_group = moe_at_scale.ep_tp_groups(2, 2)
+    full = make_moe(seed=1, dtype=torch.float64, d_model=16, hidden=32, n_experts=4, top_k=2,
+                    capacity_factor=1.0)
+    layer = moe_at_scale.ExpertTensorParallelMoE(full, ep_group, tp_group)
+    e, t = divmod(rank, 2)
+    x = tokens(e, torch.float64).requires_grad_()
+    y, aux = layer(x)
+    (y.square().sum() + aux).backward()
+    xs = [tokens(r, torch.float64).requires_grad_() for r in range(2)]
+    ref = [full(v) for v in xs]
+    sum(a.square().sum() + b for a, b in ref).backward()
+    cut = slice(16 * t, 16 * (t + 1))
+    diffs = [(y - ref[e][0]).abs().max(), (x.grad - xs[e].grad).abs().max()]
+    for i, mine in enumerate(layer.experts):
+        whole = full.experts[layer.first + i]
+        diffs += [(mine.fc1.weight.grad - whole.fc1.weight.grad[cut]).abs().max(),
+                  (mine.fc2.weight.grad - whole.fc2.weight.grad[:, cut]).abs().max(),
+                  (mine.fc2.bias.grad - whole.fc2.bias.grad).abs().max()]
+    router = layer.router.weight.grad.clone()
+    dist.all_reduce(router, group=ep_group)
+    diffs.append((router - full.router.weight.grad).abs().max())
+    ep_tp = max(d.item() for d in diffs)
+
+    full32 = make_moe(seed=2, d_model=16, hidden=32, n_experts=8, top_k=2, capacity_factor=1.0)
+    grouped = moe_at_scale.GroupedExpertParallelMoE(full32, dist.group.WORLD)
+    x = tokens(rank, torch.float32).requires_grad_()
+    y, _ = grouped(x)
+    y.square().sum().backward()
+    xs = [tokens(r, torch.float32).requires_grad_() for r in range(world_size)]
+    ref = [full32(v)[0] for v in xs]
+    sum(a.square().sum() for a in ref).backward()
+    diffs = [(y - ref[rank]).abs().max(), (x.grad - xs[rank].grad).abs().max()]
+    for i, mine in enumerate(grouped.experts):
+        for p, q in zip(mine.parameters(), full32.experts[grouped.first + i].parameters()):
+            diffs.append((p.grad - q.grad).abs().max())
+    return ep_tp, max(d.item() for d in diffs)
+
+
+def test_expert_tensor_parallel_and_grouped_layers_equal_one_process():
+    import distlab
+    results = distlab.run(_scale_ranks, 4)
+    assert max(r[0] for r in results) < 1e-12
+    assert max(r[1] for r in results) < 1e-5
+
+
+def test_expert_tensor_parallel_refuses_hidden_units_that_do_not_split():
+    import distlab
+    from distlab import moe_at_scale
+    from distlab.moe import make_moe
+
+    def build(rank, world_size):
+        ep_group, tp_group = moe_at_scale.ep_tp_groups(1, 3)
+        try:
+            moe_at_scale.ExpertTensorParallelMoE(make_moe(hidden=32, n_experts=2), ep_group,
+                                                 tp_group)
+        except ValueError as e:
+            return str(e)
+
+    assert distlab.run(build, 3)[0] == "an expert's 32 hidden units do not split over tp = 3."
+
+
+def _overlap(rank, world_size):
+    from distlab import moe_at_scale
+    return [moe_at_scale.shared_overlap_step(rank, world_size, o) for o in (False, True)]
+
+
+def test_the_shared_expert_hides_the_dispatch_across_nodes_as_chapter_09_says():
+    import distlab
+    ranks = distlab.run(_overlap, 4, emulate="h100-ib", timeout=120)
+    (plain, dispatch), (hidden, _) = (max(r[i] for r in ranks) for i in (0, 1))
+    assert dispatch > 0.1 * plain                          # across nodes: a real share
+    assert plain - hidden == pytest.approx(dispatch, rel=1e-6)      # all of it hidden

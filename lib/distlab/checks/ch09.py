@@ -1,4 +1,4 @@
-"""Checkers for workbook 09: capacity the chapter did not write, and the EP × DP gradient groups.
+"""Checkers for workbook 09: capacity the chapter did not write, and a dispatch with static shapes.
 
 1. `check_prioritized_route`: top-k routing with batch-prioritized capacity (V-MoE's BPR: the
    most confident tokens are served first). Judged on this process on several shapes, including
@@ -6,17 +6,19 @@
    layer on real ranks (EP 2 and 3): every rank's output and input gradient equal a one-process
    layer routed by this module's reference.
 2. `check_group_capacity_keep`: the capacity counted over the whole EP group instead of per
-   source rank, on real ranks at EP 2, 3 and 4 with uneven token counts: every rank's keep mask
-   is compared element by element with one process on the concatenated batch, and the layer
-   built on it equals that process (dropped tokens come back as zeros).
-3. `check_reduce_moe_gradients`: gradient averaging on an (ep, dp) layout, EP groups strided
-   across "nodes" (the chapter's mesh is (dp, ep)): every rank's gradients after the call are
-   compared with one process's gradient of the global mean loss, at 4 and 6 ranks, both ways
-   round; a wrong answer is named by the reduction it matches (wrong group, wrong divisor,
-   none).
+   source rank, on real subgroups side by side (3 ranks as one group; 4 as two groups of 2; 5 as
+   {0, 2} and {1, 3, 4}) with uneven token counts drawn afresh per check: every rank's keep mask
+   is compared element by element with one process on its group's concatenated batch, a
+   collective that reaches past the group is named from the trace, and the layer built on it
+   equals one process (dropped tokens come back as zeros).
+3. `check_padded_dispatch`: the dispatch with static shapes (a padded buffer of `capacity` rows
+   per expert and source rank, one exchange of one shape, as XLA and CUDA graphs want): every
+   rank's received buffer is compared with the rows its group's sources hold (drawn afresh, so
+   only rows that travelled can match), on the same subgroups, and every rank must send the same
+   bytes whatever the routing (the chapter's uneven splits, padded on arrival, are refused).
 
 The references of this module are written here, never shown in a notebook. The course's own
-`route`, `capacity_keep`, `reduce_gradients`, `ep_dp_mesh`, `distlab.debug`'s averaging, this
+`route`, `capacity_keep`, `dispatch_plan`, `all_to_all`, the layer's group capacity, this
 module's references and the helpers that build its data refuse to run inside the learner's
 function (`forbid`).
 """
@@ -26,10 +28,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import debug as _debug
 from .. import expert_parallel as ep_lib
 from .. import moe as moe_lib
-from ..moe import Routing, make_moe, make_moe_model, shard_loss
+from ..moe import Routing, make_moe
 from . import (CheckFailed, UsedCourseCode, call_learner, compare, expect_arguments, forbid,
                passed, run_learner, sizes_phrase)
 
@@ -91,12 +92,13 @@ def _group_reference(experts_of_ranks, n_experts, capacity_factor):
 def _course_code():
     return (moe_lib.route, moe_lib.capacity_keep, moe_lib.expert_capacity,
             moe_lib.load_balancing_loss, ep_lib.reduce_gradients, ep_lib.ep_dp_mesh,
-            ep_lib.dispatch_plan, _debug.average_gradients, _debug.broadcast_parameters,
+            ep_lib.dispatch_plan, ep_lib.all_to_all,
+            ep_lib.ExpertParallelMoE._route_with_group_capacity,
             _reference_route, _group_reference, _queue_positions, _priority_order,
-            _one_process_layer,
-            # the checker's own data: the other ranks' tokens and choices rebuilt without a
-            # message would pass the group capacity and the gradients without communicating
-            _tokens, _group_case, _shard, _skewed_layer, _reference_grads)
+            _one_process_layer, _dispatch_reference,
+            # the checker's own data: the other ranks' inputs rebuilt without a message would
+            # pass without communicating (they are also drawn afresh per check)
+            _tokens, _group_case, _dispatch_case, _skewed_layer)
 
 
 @contextlib.contextmanager
@@ -317,27 +319,75 @@ def check_prioritized_route(fn, world_sizes=(2, 3)):
            f"at EP {sizes_phrase(world_sizes)}.")
 
 
+# ---- the groups every group-taking check runs on ------------------------------------------------
+#
+# A function given `group` must talk to that group only. Each layout below splits the world into
+# EP groups that run at the same time on different tokens: four ranks as two groups of two, and
+# five ranks as {0, 2} and {1, 3, 4} (a group whose ranks are not 0..k). A function that talks to
+# the whole world mixes the groups' data, and the trace names the collective that did.
+
+LAYOUTS = ((3, ((0, 1, 2),)), (4, ((0, 1), (2, 3))), (5, ((0, 2), (1, 3, 4))))
+
+
+def _layout_phrase(layouts):
+    return "; ".join(f"{ws} ranks as " + " and ".join(str(list(g)) for g in groups)
+                     for ws, groups in layouts)
+
+
+def _my_group(rank, groups):
+    """Every rank creates every group, in the same order; (this rank's group, its ranks)."""
+    made = [dist.new_group(list(ranks)) for ranks in groups]
+    i = next(i for i, ranks in enumerate(groups) if rank in ranks)
+    return made[i], groups[i]
+
+
+def _fresh_seed():
+    # Drawn per check: the other ranks' inputs cannot be rebuilt without a message.
+    import secrets
+    return secrets.randbelow(2 ** 31)
+
+
+def _talked_outside(trace, groups, name):
+    """A one-sentence refusal when a rank's collective or message reached past its group."""
+    for ranks in groups:
+        for rank in ranks:
+            for event in trace.comm(rank):
+                if event["peer"] is not None:
+                    outside = event["peer"] not in ranks
+                    reached = [event["peer"]]
+                else:
+                    outside = set(event["group"]) != set(ranks)
+                    reached = list(event["group"])
+                if outside:
+                    return (f"{name}: rank {rank}'s {event['op']} reached ranks {reached}, but "
+                            f"its group is {list(ranks)} (the others form another EP group "
+                            f"with other tokens): pass the `group` you were given to every "
+                            f"collective, and use ranks inside it.")
+    return None
+
+
 # ---- exercise 2: the capacity of the whole EP group ------------------------------------------------
-
-def _group_case(rank, world_size, n_experts, top_k, seed):
-    """This rank's (T_r, k) chosen experts: uneven token counts, a crowd on expert 0."""
-    n = 4 + 3 * ((rank + seed) % 3)                  # 4, 7 or 10 tokens: the ranks differ
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    logits = torch.randn(n, n_experts, generator=g, dtype=torch.float64)
-    logits[: n // 2 + 1, 0] += 3.0
-    return logits.topk(top_k, dim=-1).indices
-
 
 GROUP_CASES = ((4, 1, 1.0), (6, 2, 1.0), (4, 2, 0.5), (5, 3, 1.25))   # (E, k, capacity factor)
 
 
-def _group_keep_on_ranks(rank, world_size, fn, name):
+def _group_case(rank, n_experts, top_k, seed):
+    """This rank's (T_r, k) chosen experts: 3 to 10 tokens, a crowd on one expert."""
+    g = torch.Generator().manual_seed(seed + 7919 * rank)
+    n = int(torch.randint(3, 11, (1,), generator=g))
+    logits = torch.randn(n, n_experts, generator=g, dtype=torch.float64)
+    logits[: n // 2 + 1, int(torch.randint(n_experts, (1,), generator=g))] += 3.0
+    return logits.topk(top_k, dim=-1).indices
+
+
+def _group_keep_on_ranks(rank, world_size, fn, name, groups, seed):
+    group, _ = _my_group(rank, groups)
     out = []
     for i, (n_experts, k, cf) in enumerate(GROUP_CASES):
-        experts = _group_case(rank, world_size, n_experts, k, i)
+        experts = _group_case(rank, n_experts, k, seed + 101 * i)
         with _refusing("the group capacity"):
-            keep = fn(experts.clone(), n_experts, cf, dist.group.WORLD)
-        out.append((n_experts, k, cf, experts, keep))
+            keep = fn(experts.clone(), n_experts, cf, group)
+        out.append((experts, keep))
     return out
 
 
@@ -374,198 +424,191 @@ def _group_layer_on_ranks(rank, world_size, fn, cf, top_k):
     return _layer_versus_reference(moe, learner_route, all_tokens[rank], reference)
 
 
-def _explain_group_keep(name, ws, rank, t, slot, e, got, place, capacity, sizes):
+def _explain_group_keep(where, rank, t, slot, e, got, place, capacity, sizes):
     if got:
-        return (f"{name} with EP={ws}: rank {rank} kept its token {t}'s choice {slot + 1} "
-                f"(expert {e}), but expert {e} holds {capacity} assignments for the whole group "
-                f"and this one is number {place + 1} in the group's queue — every rank's first "
-                f"choices (rank 0 first, then rank 1, ...), then every rank's second choices, "
-                f"each rank's tokens in order. Token counts this time: {sizes}.")
-    return (f"{name} with EP={ws}: rank {rank} dropped its token {t}'s choice {slot + 1} (expert "
-            f"{e}), but it is number {place + 1} in expert {e}'s queue of the whole group and "
-            f"the capacity is {capacity} — the group's queue: every rank's first choices (rank 0 "
-            f"first, then rank 1, ...), then every rank's second choices. "
+        return (f"{where}: rank {rank} kept its token {t}'s choice {slot + 1} (expert {e}), but "
+                f"expert {e} holds {capacity} assignments for the whole group and this one is "
+                f"number {place + 1} in the group's queue — every rank's first choices (the "
+                f"group's first rank first, then the next, ...), then every rank's second "
+                f"choices, each rank's tokens in order. Token counts this time: {sizes}.")
+    return (f"{where}: rank {rank} dropped its token {t}'s choice {slot + 1} (expert {e}), but "
+            f"it is number {place + 1} in expert {e}'s queue of the whole group and the "
+            f"capacity is {capacity} — the group's queue: every rank's first choices (the "
+            f"group's first rank first, then the next, ...), then every rank's second choices. "
             f"Token counts this time: {sizes}.")
 
 
-def check_group_capacity_keep(fn, world_sizes=(2, 3, 4)):
-    """fn(experts, n_experts, capacity_factor, group) -> keep (T, k) on every rank, the capacity
-    ceil(factor · (all the group's tokens) · k / E) counted over the whole group's assignments:
-    first choices before second ones, inside a choice rank 0's tokens first, then rank 1's, ..."""
-    name = expect_arguments(fn, 4, "group_capacity_keep(experts, n_experts, capacity_factor, "
-                                   "group)")
-    for ws in world_sizes:
-        got = run_learner(_group_keep_on_ranks, ws, fn, name, name=name, timeout=TIMEOUT,
-                          deadlock_rule="Every rank must join the same collectives in the same "
-                                        "order, also a rank whose tokens need no answer.")
-        for case in range(len(GROUP_CASES)):
-            n_experts, k, cf = got[0][case][:3]
-            experts = [got[r][case][3] for r in range(ws)]
+def _judge_group_keep(got, groups, name, ws):
+    for case, (n_experts, k, cf) in enumerate(GROUP_CASES):
+        for ranks in groups:
+            experts = [got[r][case][0] for r in ranks]
+            mine = [got[r][case][1] for r in ranks]
             capacity, keeps, positions = _group_reference(experts, n_experts, cf)
             sizes = [len(e) for e in experts]
-            for rank in range(ws):
-                mine = got[rank][case][4]
-                where = (f"{name} with EP={ws}, {n_experts} experts, k={k}, "
-                         f"capacity_factor={cf}, on rank {rank}")
-                if not torch.is_tensor(mine) or tuple(mine.shape) != tuple(keeps[rank].shape):
-                    raise CheckFailed(f"{where}: keep should be a {tuple(keeps[rank].shape)} "
-                                      f"boolean tensor; got {mine!r:.80}.")
-                if mine.dtype != torch.bool:
+            where = (f"{name} on the group {list(ranks)} of {ws} ranks, {n_experts} experts, "
+                     f"k={k}, capacity_factor={cf}")
+            for r, m, expected in zip(ranks, mine, keeps):
+                if not torch.is_tensor(m) or tuple(m.shape) != tuple(expected.shape):
+                    raise CheckFailed(f"{where}: rank {r}'s keep should be a "
+                                      f"{tuple(expected.shape)} boolean tensor; got {m!r:.80}.")
+                if m.dtype != torch.bool:
                     raise CheckFailed(f"{where}: keep should be a boolean tensor; got "
-                                      f"{mine.dtype}.")
-            mine = [got[r][case][4] for r in range(ws)]
-            local = [moe_lib.capacity_keep(e, n_experts, _capacity(len(e), n_experts, k, cf))
-                     for e in experts]
-            wrong = [r for r in range(ws) if not torch.equal(mine[r], keeps[r])]
+                                      f"{m.dtype}.")
+            wrong = [i for i in range(len(ranks)) if not torch.equal(mine[i], keeps[i])]
             if not wrong:
                 continue
-            if all(torch.equal(m, lo) for m, lo in zip(mine, local)):
+            local = [moe_lib.capacity_keep(e, n_experts, _capacity(len(e), n_experts, k, cf))
+                     for e in experts]
+            if len(ranks) > 1 and all(torch.equal(m, lo) for m, lo in zip(mine, local)):
                 raise CheckFailed(
-                    f"{name} with EP={ws}, {n_experts} experts, k={k}, capacity_factor={cf}: "
-                    f"every rank applied the capacity to its own tokens only (GShard's "
-                    f"per-group capacity, the chapter's layer), so an expert can receive {ws}× "
-                    f"its capacity; here the capacity counts the whole group's tokens "
-                    f"({sum(sizes)}: {capacity} per expert) and each rank needs what the ranks "
-                    f"before it chose.")
-            rank = wrong[0]
-            t, slot = (int(i) for i in (mine[rank] != keeps[rank]).nonzero()[0])
+                    f"{where}: every rank applied the capacity to its own tokens only (GShard's "
+                    f"per-group capacity, the chapter's layer), so an expert can receive "
+                    f"{len(ranks)}× its capacity; here the capacity counts the whole group's "
+                    f"tokens ({sum(sizes)}: {capacity} per expert) and each rank needs what the "
+                    f"ranks before it chose.")
+            i = wrong[0]
+            t, slot = (int(j) for j in (mine[i] != keeps[i]).nonzero()[0])
             raise CheckFailed(_explain_group_keep(
-                name, ws, rank, t, slot, int(experts[rank][t, slot]), bool(mine[rank][t, slot]),
-                int(positions[rank][t, slot]), capacity, sizes))
-    for ws in world_sizes[:2]:
+                where, ranks[i], t, slot, int(experts[i][t, slot]), bool(mine[i][t, slot]),
+                int(positions[i][t, slot]), capacity, sizes))
+
+
+def check_group_capacity_keep(fn, layouts=LAYOUTS, layer_sizes=(3,)):
+    """fn(experts, n_experts, capacity_factor, group) -> keep (T, k) on every rank, the capacity
+    ceil(factor · (all the group's tokens) · k / E) counted over the whole group's assignments:
+    first choices before second ones, inside a choice the group's first rank's tokens first, ...
+    Run on real subgroups side by side (two groups of 2; {0, 2} and {1, 3, 4}) with inputs drawn
+    afresh per check, so that only what travelled inside the group can give the right mask."""
+    name = expect_arguments(fn, 4, "group_capacity_keep(experts, n_experts, capacity_factor, "
+                                   "group)")
+    seed = _fresh_seed()
+    for ws, groups in layouts:
+        got = run_learner(_group_keep_on_ranks, ws, fn, name, groups, seed, name=name,
+                          timeout=TIMEOUT, trace=True,
+                          deadlock_rule="Every rank must join the same collectives in the same "
+                                        "order, also a rank whose tokens need no answer.")
+        outside = _talked_outside(got.trace, groups, name)
+        if outside:
+            raise CheckFailed(outside)
+        _judge_group_keep(got, groups, name, ws)
+    for ws in layer_sizes:
         got = run_learner(_group_layers_on_ranks, ws, fn, name=name, timeout=TIMEOUT)
         for i, (top_k, cf) in enumerate(LAYER_CASES):
             _compare_ranks([cases[i] for cases in got], f"the expert-parallel layer with your "
                            f"{name} (top_k={top_k}, capacity_factor={cf})", ws)
-    passed(f"{name} gives every rank the keep mask of one process on the whole group's tokens "
-           f"(capacity of all the tokens, first choices first, then rank order) at EP "
-           f"{sizes_phrase(world_sizes)} with uneven token counts; the layer built on it equals "
-           f"that process, dropped tokens coming back as zeros.")
+    passed(f"{name} gives every rank the keep mask of one process on its group's tokens "
+           f"(capacity of all the group's tokens, first choices first, then rank order) on "
+           f"subgroups side by side ({_layout_phrase(layouts)}), with uneven token counts drawn "
+           f"afresh; the layer built on it equals that process, dropped tokens coming back as "
+           f"zeros.")
 
 
-# ---- exercise 3: EP × DP gradients on an (ep, dp) layout ------------------------------------------
+# ---- exercise 3: a dispatch with static shapes ------------------------------------------------------
 
-CONFIG = dict(d_model=D_MODEL, hidden=16, top_k=2, capacity_factor=1.0)
-TOKENS = 6
-AUX = 0.1
+DISPATCH_CASES = {4: (4, 1, 2, 5), 5: (6, 2, 3, 3)}     # world: (E, k, capacity per source, d)
 
 
-def _layout(world_size, ep):
-    """(ep, dp) with EP outer: rank = e·dp + d. EP groups stride by dp, DP groups are runs."""
-    dp = world_size // ep
-    ep_groups = [[e * dp + d for e in range(ep)] for d in range(dp)]
-    dp_groups = [[e * dp + d for d in range(dp)] for e in range(ep)]
-    return dp, ep_groups, dp_groups
+def _dispatch_case(rank, n_experts, top_k, capacity, d, seed):
+    """This rank's tokens, chosen experts and keep (per-source capacity, the chapter's rule)."""
+    g = torch.Generator().manual_seed(seed + 104729 * rank)
+    n = int(torch.randint(2, 9, (1,), generator=g))
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    logits = torch.randn(n, n_experts, generator=g, dtype=torch.float64)
+    logits[: (n + 1) // 2, rank % n_experts] += 2.5           # a crowd: drops, uneven rows
+    experts = logits.topk(top_k, dim=-1).indices
+    keep = moe_lib.capacity_keep(experts, n_experts, capacity)
+    return x, experts, keep
 
 
-def _shard(rank):
-    from ..models import regression_data
-    x, y = regression_data(n=TOKENS, in_dim=16, out_dim=4, seed=40 + rank)
-    return x.double(), y.double()
+def _dispatch_reference(inputs, n_experts, capacity):
+    """What each rank of a group must hold: [source, local expert, slot, d], zeros as padding."""
+    n = len(inputs)
+    local = n_experts // n
+    d = inputs[0][0].shape[1]
+    out = [torch.zeros(n, local, capacity, d, dtype=torch.float64) for _ in range(n)]
+    for source, (x, experts, keep) in enumerate(inputs):
+        for e in range(n_experts):
+            token = ((experts == e) & keep).any(dim=1).nonzero().squeeze(1)
+            out[e // local][source, e % local, :len(token)] = x[token]
+    return out
 
 
-def _reduce_on_ranks(rank, world_size, fn, ep):
-    dp, ep_groups, _ = _layout(world_size, ep)
-    groups = [dist.new_group(ranks) for ranks in ep_groups]      # every rank, in the same order
-    mine = next(g for g, ranks in zip(groups, ep_groups) if rank in ranks)
-    model = make_moe_model(seed=3, dtype=torch.float64, n_experts=2 * ep, **CONFIG)
-    model.moe = ep_lib.ExpertParallelMoE(model.moe, mine)
-    shard_loss(model, *_shard(rank), aux_coef=AUX).backward()
-    local = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    with _refusing("the gradient averaging"):
-        fn(model, ep)
-    reduced = {n: (None if p.grad is None else p.grad.detach().clone())
-               for n, p in model.named_parameters()}
-    return model.moe.first, local, reduced
+def _dispatch_on_ranks(rank, world_size, fn, groups, seed):
+    group, ranks = _my_group(rank, groups)
+    n_experts, k, capacity, d = DISPATCH_CASES[world_size]
+    x, experts, keep = _dispatch_case(rank, n_experts, k, capacity, d, seed)
+    with _refusing("the static dispatch"):
+        got = fn(x.clone(), experts.clone(), keep.clone(), n_experts, capacity, group)
+    return (x, experts, keep), got
 
 
-def _global_name(name, first):
-    """(its global name, its global expert index or None)."""
-    global_name = ep_lib.global_name(name, first)
-    expert = name.startswith("moe.experts.")
-    return global_name, (int(global_name.split(".")[2]) if expert else None)
-
-
-def _reference_grads(world_size, ep):
-    model = make_moe_model(seed=3, dtype=torch.float64, n_experts=2 * ep, **CONFIG)
-    loss = sum(shard_loss(model, *_shard(r), aux_coef=AUX) for r in range(world_size))
-    (loss / world_size).backward()
-    return {n: p.grad for n, p in model.named_parameters()}
-
-
-def _which_reduction(got, local, rank, name, world_size, ep):
-    """A phrase naming the (wrong) reduction `got` matches, or None."""
-    dp, ep_groups, dp_groups = _layout(world_size, ep)
-    groups = {"every rank": list(range(world_size)),
-              "its DP group (the ranks that hold the same experts)":
-                  next(g for g in dp_groups if rank in g),
-              "its EP group (the ranks that hold different experts)":
-                  next(g for g in ep_groups if rank in g),
-              "this rank alone": [rank]}
-    for label, ranks in groups.items():
-        total = sum(local[r][name] for r in ranks)
-        for divisor in sorted({world_size, len(ranks), dp, ep, 1}):
-            if torch.allclose(got, total / divisor, atol=1e-12, rtol=1e-9):
-                if ranks == [rank]:
-                    return (f"this rank's own gradient"
-                            f"{f' divided by {divisor}' if divisor != 1 else ''}: nothing from "
-                            f"the other ranks was added to it")
-                return f"the sum over {label}, ranks {ranks}, divided by {divisor}"
-    # Another group (the chapter's layout on this one, say): try every set of ranks with this one.
-    others = [r for r in range(world_size) if r != rank]
-    same = next(g for g in dp_groups if rank in g)
-    for mask in range(1, 2 ** len(others)):
-        ranks = sorted([rank] + [r for i, r in enumerate(others) if mask >> i & 1])
-        total = sum(local[r][name] for r in ranks)
-        for divisor in sorted({world_size, len(ranks), dp, ep}):
-            if torch.allclose(got, total / divisor, atol=1e-12, rtol=1e-9):
-                strangers = ", ".join(str(r) for r in ranks if r not in same)
-                several = "," in strangers
-                return (f"the sum over ranks {ranks}, divided by {divisor} (rank"
-                        f"{'s' if several else ''} {strangers} hold{'' if several else 's'} "
-                        f"other experts)")
+def _static_bytes(trace, groups):
+    """(rank, bytes) of the ranks of one group that sent the most and the fewest bytes, or None
+    when every rank of each group sent the same (the ranks' buffers have one shape)."""
+    for ranks in groups:
+        sent = {r: sum(e["bytes"] for e in trace.comm(r) if e["op"] != "recv") for r in ranks}
+        if len(set(sent.values())) > 1:
+            most, fewest = max(sent, key=sent.get), min(sent, key=sent.get)
+            return (most, sent[most]), (fewest, sent[fewest])
     return None
 
 
-def check_reduce_moe_gradients(fn, layouts=((4, 2), (6, 3), (6, 2))):
-    """fn(model, ep_size), called on every rank after backward, leaves every rank holding the
-    gradient of the global mean loss, on the (ep, dp) layout rank = e·dp + d."""
-    name = expect_arguments(fn, 2, "reduce_moe_gradients(model, ep_size)")
-    for ws, ep in layouts:
-        dp, ep_groups, dp_groups = _layout(ws, ep)
-        got = run_learner(_reduce_on_ranks, ws, fn, ep, name=name, timeout=TIMEOUT,
-                          deadlock_rule="dist.new_group must be called by every rank, for every "
-                                        "group, in the same order — also for the groups a rank "
-                                        "is not in.")
-        reference = _reference_grads(ws, ep)
-        local = [g[1] for g in got]
-        for rank, (first, _, reduced) in enumerate(got):
-            for pname, grad in reduced.items():
-                global_name, expert = _global_name(pname, first)
-                is_expert = expert is not None
-                where = (f"{name} with ep={ep}, dp={dp} ({ws} ranks): rank {rank}'s gradient of "
-                         f"{pname}" + (f" (its local expert, global expert {expert})"
-                                       if is_expert else ""))
-                if grad is None:
-                    raise CheckFailed(f"{where} is None after your function; it was set by "
-                                      f"backward.")
-                expected = reference[global_name]
-                if torch.allclose(grad, expected, atol=1e-12, rtol=1e-9):
-                    continue
-                matched = _which_reduction(grad, local, rank, pname, ws, ep)
-                right = (f"an expert's gradient already holds its EP group's tokens (they came "
-                         f"back through the all-to-all): sum it over the ranks that hold the same "
-                         f"experts, ranks {next(g for g in dp_groups if rank in g)}, and divide "
-                         f"by all {ws}" if is_expert else
-                         f"a replicated parameter saw only this rank's tokens: sum it over all "
-                         f"{ws} ranks and divide by {ws}")
-                said = where
-                try:
-                    compare(grad, expected, where, atol=1e-12, rtol=1e-9)
-                except CheckFailed as e:
-                    said = str(e)[:-1]
-                raise CheckFailed(f"{said}" + (f" — that is {matched}" if matched else "")
-                                  + f"; {right}.")
-    passed(f"{name} leaves every rank with the global gradient on (ep, dp) layouts ep×dp = "
-           f"{', '.join(f'{ep}×{ws // ep}' for ws, ep in layouts)}: each expert averaged with "
-           f"the ranks that hold it, everything else over every rank.")
+def check_padded_dispatch(fn, layouts=LAYOUTS[1:]):
+    """fn(x, experts, keep, n_experts, capacity, group) -> (N, E/N, capacity, d) on every rank of
+    the group: [source rank, local expert, slot] holds the source's kept rows for that expert in
+    token order, zeros after them; every rank sends the same bytes whatever the routing."""
+    name = expect_arguments(fn, 6, "padded_dispatch(x, experts, keep, n_experts, capacity, "
+                                   "group)")
+    seed = _fresh_seed()
+    for ws, groups in layouts:
+        n_experts, k, capacity, d = DISPATCH_CASES[ws]
+        got = run_learner(_dispatch_on_ranks, ws, fn, groups, seed, name=name, timeout=TIMEOUT,
+                          trace=True, deadlock_rule="Every rank of the group must join the same "
+                                                    "exchange, also a rank that sends no row.")
+        outside = _talked_outside(got.trace, groups, name)
+        if outside:
+            raise CheckFailed(outside)
+        for ranks in groups:
+            expected = _dispatch_reference([got[r][0] for r in ranks], n_experts, capacity)
+            n = len(ranks)
+            for r, want in zip(ranks, expected):
+                mine = got[r][1]
+                where = (f"{name} on the group {list(ranks)} of {ws} ranks ({n_experts} experts, "
+                         f"k={k}, capacity {capacity}, d={d}), rank {r}")
+                if not torch.is_tensor(mine) or tuple(mine.shape) != tuple(want.shape):
+                    raise CheckFailed(f"{where} should return a ({n}, {n_experts // n}, "
+                                      f"{capacity}, {d}) tensor [source rank in the group, local "
+                                      f"expert, slot, d]; got {mine!r:.80}.")
+                bad = first_difference_at(mine, want)
+                if bad is not None:
+                    s, e, slot = bad
+                    first = ranks.index(r) * (n_experts // n)
+                    should = ("zeros (padding)" if not want[s, e, slot].any() else
+                              f"that rank's {_nth(slot)} kept row for the expert, in token order")
+                    holds = "zeros" if not mine[s, e, slot].any() else "another row"
+                    raise CheckFailed(
+                        f"{where}: slot {slot} of local expert {e} (global expert {first + e}) "
+                        f"from the group's rank {s} (rank {ranks[s]}) should hold {should}; it "
+                        f"holds {holds}.")
+        uneven = _static_bytes(got.trace, groups)
+        if uneven:
+            (most, a), (fewest, b) = uneven
+            raise CheckFailed(f"{name}: rank {most} sent {a} bytes and rank {fewest} {b}: the "
+                              f"values are right, but a static dispatch sends the same padded "
+                              f"buffer ({capacity} rows per expert per source) whatever the "
+                              f"routing, so every exchange has one shape known in advance.")
+    passed(f"{name} lays every kept row in its slot, zeros after, on subgroups side by side "
+           f"({_layout_phrase(layouts)}), with tokens drawn afresh, and every rank sends the same "
+           f"bytes whatever the routing.")
+
+
+def _nth(i):
+    return {0: "first", 1: "second", 2: "third"}.get(i, f"{i + 1}th")
+
+
+def first_difference_at(got, want):
+    """(source, expert, slot) of the first row that differs, or None."""
+    diff = (got.to(want.dtype) - want).abs().amax(dim=-1) > 1e-12
+    if not diff.any():
+        return None
+    return tuple(int(i) for i in diff.nonzero()[0])

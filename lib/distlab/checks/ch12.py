@@ -1,16 +1,19 @@
-"""Checkers of workbook 12: the online-softmax merge, one ring hop, ring attention built from
-them, ring attention's backward (the chapter shows the course's, not this one), and a
-prediction: one ring step's kernel and hop, and the block length where the hop hides.
+"""Checkers of workbook 12: the online softmax in the form a flash kernel streams it (a running
+maximum, a running sum and an unnormalised output), one ring hop, ring attention in the other
+direction (the queries travel, K and V stay), ring attention's backward (the chapter shows the
+course's, not this one), and a prediction: one ring step's kernel and hop, and the block length
+where the hop hides.
 
-The merge is checked in this process on small hand-made partials (including rows that saw no
-key at all, and partials whose log-sum-exp is about 800, where exp overflows float64); the ring
-hop and the ring attention run on real ranks at world sizes 3 and 5, where left and right
-neighbours differ, and the run's trace must show messages to the right neighbour only, each
-tensor once per hop. Ring attention and its backward are also run on scores of about a
-thousand (a softmax without its max subtracted overflows), and ring attention's memory is
-tracked op by op: with the same block length at 3 and at 5 ranks an online ring holds the same
-bytes, while one that keeps every visiting block (and softmaxes once at the end) holds more with
-every rank added.
+The online softmax is checked in this process on blocks of keys folded one by one, two
+sequences interleaved (a fold that remembers more than its state cannot pass), with rows whose
+maximum arrives in the last block, rows that see no key at all or none in the first blocks, and
+scores of about a thousand (exp overflows float64 above 709). The ring hop, the pass-Q ring and
+the backward run on real ranks at world sizes 3 and 5, where left and right neighbours differ;
+the run's trace must show point-to-point messages to the right neighbour only, judged by the
+bytes they carry (one packed message per hop is as good as one per tensor): a hop carries
+exactly its tensors; the pass-Q ring at least the queries' N − 1 hops and the output's way
+home, under grouped-query attention where K and V are four times smaller than Q, so that a ring
+that passes K and V instead is refused although its numbers are right.
 
 The prediction (`check_ring_step`) is compared term by term (the kernel; the hop's bandwidth
 term with α = 0; its latency with infinite bandwidth) with the closed form, then with the
@@ -29,7 +32,7 @@ from .. import context_parallel as cp
 from .. import cost as _cost
 from .. import hardware as _hardware
 from .. import trace as _trace
-from ..zero_memory import PeakTracker
+from .. import ulysses as _ulysses
 
 WORLD_SIZES = (3, 5)
 COURSE = (cp.merge, cp._shift, cp.ring_attention, cp.RingAttention, cp.block_attention,
@@ -39,189 +42,253 @@ COURSE = (cp.merge, cp._shift, cp.ring_attention, cp.RingAttention, cp.block_att
 LARGE = 500.0
 
 
-# ---- exercise 1: merge ---------------------------------------------------------------------------
+# ---- exercise 1: the online softmax, as a flash kernel streams it ---------------------------------
 
-def _partials():
-    """Two partial attentions of 3 queries over disjoint keys; query 2 saw no key in part b."""
-    g = torch.Generator().manual_seed(12)
-    q, k, v = (torch.randn(1, 1, 3, 2, dtype=torch.float64, generator=g) for _ in range(3))
-    k2, v2 = (torch.randn(1, 1, 2, 2, dtype=torch.float64, generator=g) for _ in range(2))
-    pos = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
-    a = cp.block_attention(q, k, v, pos, pos, False, 1.0)
-    # keys at positions 3 and 4 under a causal mask: queries 0-2 see none of them ...
-    b = cp.block_attention(q, k2, v2, pos, torch.tensor([1.0, 3.0], dtype=torch.float64),
-                           True, 1.0)
-    return a, b, (q, torch.cat([k, k2], -2), torch.cat([v, v2], -2))
+def _fold_cases():
+    """[(what, scores, v, blocks)]: scores (..., q, keys) with -inf where masked, split into
+    blocks of keys. Row 0's maximum is in the last block; row 1 sees no key at all; row 2 sees
+    none in the first block; row 3's last key scores 800 above the rest (a fold that keeps its
+    first maximum as the reference overflows)."""
+    g = torch.Generator().manual_seed(21)
+    cases = []
+    for shape, blocks, shift in ((((1, 2), 4, 3), (3, 1, 4, 2), 0.0),
+                                 (((2, 1), 4, 5), (1, 5, 2), 0.0),
+                                 (((1, 3), 5, 2), (2, 2, 3), 1000.0)):
+        lead, n_q, d_v = shape
+        n_k = sum(blocks)
+        scores = 3 * torch.randn(*lead, n_q, n_k, generator=g, dtype=torch.float64) + shift
+        scores[..., 0, -1] += 25.0                              # row 0: its max comes last
+        scores[..., 1, :] = -math.inf                           # row 1: sees nothing
+        scores[..., 2, : blocks[0]] = -math.inf                 # row 2: nothing in block 1
+        scores[..., 3, -1] += 800.0                             # row 3: a jump past exp's range
+        v = torch.randn(*lead, n_k, d_v, generator=g, dtype=torch.float64)
+        what = (f"scores {tuple(scores.shape)} in blocks of {list(blocks)} keys"
+                + (f", scores of about {shift:.0f}" if shift else ""))
+        cases.append((what, scores, v, blocks))
+    return cases
 
 
-def check_merge(merge):
-    """merge(out_a, lse_a, out_b, lse_b) -> (out, lse) must equal attention over both key sets."""
-    (out_a, lse_a), (out_b, lse_b), _ = _partials()
-    with forbid(*COURSE, exercise="write the merge yourself"):
-        got = call_learner(merge, out_a.clone(), lse_a.clone(), out_b.clone(), lse_b.clone(),
-                           name="merge")
-    if not isinstance(got, tuple) or len(got) != 2:
-        raise CheckFailed(f"merge must return a pair (out, lse); it returned "
-                          f"{type(got).__name__} {got!r:.80}.")
-    out, lse = got
-    expected_out, expected_lse = cp.merge(out_a, lse_a, out_b, lse_b)
-    if isinstance(lse, torch.Tensor) and torch.isnan(lse).any() or \
-            isinstance(out, torch.Tensor) and torch.isnan(out).any():
-        raise CheckFailed("merge returned nan: a row that saw no key has lse = -inf, and "
-                          "exp(-inf - (-inf)) is nan. Treat an lse of -inf as weight 0.")
-    compare(lse, expected_lse, "merge's lse (the log of the total softmax denominator)",
-            atol=1e-12, rtol=1e-12)
-    compare(out, expected_out, "merge's output (each part weighted by exp(lse_part - lse))",
-            atol=1e-12, rtol=1e-12)
-    # Merging with nothing (lse = -inf everywhere) must leave a partial result unchanged, even
-    # its rows that saw no key either (lse -inf on both sides: where ring attention starts).
-    empty = (torch.zeros_like(out_b), torch.full_like(lse_b, -math.inf))
-    with forbid(*COURSE, exercise="write the merge yourself"):
-        same = call_learner(merge, *empty, out_b.clone(), lse_b.clone(), name="merge")
-    if torch.isnan(same[0]).any() or torch.isnan(same[1]).any():
-        raise CheckFailed("merge returned nan when neither part had seen a key for some query "
-                          "(both lse = -inf, and exp(-inf - (-inf)) is nan). Treat an lse of "
-                          "-inf as weight 0.")
-    compare(same[0], out_b, "merge of an empty partial (lse = -inf) with a partial result",
-            atol=1e-12, rtol=1e-12)
-    # Large scores: the same partials with log-sum-exps near 800 (exp(800) overflows float64).
-    # Only the difference of the two lse decides the weights; the merged lse moves by 800.
-    big_a, big_b = lse_a + 800.0, lse_b + 799.0
-    expected_out, expected_lse = cp.merge(out_a, big_a, out_b, big_b)
-    with forbid(*COURSE, exercise="write the merge yourself"):
-        out, lse = call_learner(merge, out_a.clone(), big_a.clone(), out_b.clone(), big_b.clone(),
-                                name="merge")
-    finite = [torch.isfinite(t).all() for t in (out, lse[torch.isfinite(expected_lse)])
-              if isinstance(t, torch.Tensor)] if isinstance(lse, torch.Tensor) else []
-    if not all(finite):
-        raise CheckFailed("merge returned inf or nan for partials whose lse is about 800: "
-                          "exp(800) overflows float64 (its largest value is about exp(709)). "
-                          "Never exponentiate an lse itself: weigh each part by "
-                          "exp(lse_part - lse) with lse = logaddexp(lse_a, lse_b), or subtract "
-                          "the larger lse first.")
-    compare(lse, expected_lse, "merge's lse for partials with lse about 800", 1e-12, 1e-12)
-    compare(out, expected_out, "merge's output for partials with lse about 800", 1e-12, 1e-12)
-    passed("merge combines two partial attentions exactly, rows that saw no key included, "
-           "and at log-sum-exps of 800.")
+def _softmax_reference(scores, v):
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    return p @ v, lse
+
+
+def _start(scores, v):
+    lead = scores.shape[:-1]
+    return (torch.zeros(*lead, v.shape[-1], dtype=v.dtype), torch.full(lead, -math.inf,
+            dtype=scores.dtype), torch.zeros(lead, dtype=scores.dtype))
+
+
+def _state_ok(state, scores, v, where):
+    lead = tuple(scores.shape[:-1])
+    shapes = (lead + (v.shape[-1],), lead, lead)
+    if (not isinstance(state, (tuple, list)) or len(state) != 3
+            or not all(torch.is_tensor(t) and tuple(t.shape) == s for t, s in zip(state, shapes))):
+        raise CheckFailed(f"fold {where} should return the state (acc, m, l) with shapes "
+                          f"{[s for s in shapes]} — the output so far, unnormalised, the running "
+                          f"maximum and the running sum — and nothing that grows with the keys; "
+                          f"got {state!r:.80}.")
+    return tuple(state)
+
+
+def _learner_fold(fold, state, scores, v, where):
+    with forbid(*COURSE, exercise="write the online softmax yourself"):
+        got = call_learner(fold, state, scores.clone(), v.clone(), name="fold")
+    return _state_ok(got, scores, v, where)
+
+
+def check_online_softmax(fold, finish):
+    """fold((acc, m, l), scores, v) -> (acc, m, l) folds a block of keys into the running state;
+    finish((acc, m, l)) -> (out, lse): softmax(all scores) @ all v and the log-sum-exp."""
+    cases = _fold_cases()
+    states = [_start(scores, v) for _, scores, v, _ in cases]
+    cuts = [[0, *torch.tensor(blocks).cumsum(0).tolist()] for _, _, _, blocks in cases]
+    # The cases' blocks folded in turn, interleaved: a fold that keeps anything beyond its state
+    # mixes the sequences.
+    for step in range(max(len(b) for _, _, _, b in cases)):
+        for i, (what, scores, v, blocks) in enumerate(cases):
+            if step >= len(blocks):
+                continue
+            a, b = cuts[i][step], cuts[i][step + 1]
+            states[i] = _learner_fold(fold, states[i], scores[..., a:b], v[..., a:b, :],
+                                      f"on {what}, block {step + 1}")
+    for (what, scores, v, blocks), state in zip(cases, states):
+        with forbid(*COURSE, exercise="write the online softmax yourself"):
+            got = call_learner(finish, state, name="finish")
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise CheckFailed(f"finish should return (out, lse); got {got!r:.80}.")
+        out, lse = got
+        want_out, want_lse = _softmax_reference(scores, v)
+        where = f"on {what}"
+        if not (torch.is_tensor(out) and torch.is_tensor(lse) and out.shape == want_out.shape
+                and lse.shape == want_lse.shape):
+            raise CheckFailed(f"finish {where} should return out {tuple(want_out.shape)} and lse "
+                              f"{tuple(want_lse.shape)}; got {out!r:.60} and {lse!r:.60}.")
+        finite = torch.isfinite(want_lse)
+        bad = [r for r in range(scores.shape[-2])
+               if not torch.isfinite(out[..., r, :]).all() or torch.isnan(lse[..., r]).any()
+               or (torch.isinf(lse[..., r]) & finite[..., r]).any()]
+        if bad and bad[0] in (1, 2):
+            which = "no key" + (" in the first block" if bad[0] == 2 else "")
+            came = "nan" if torch.isnan(out[..., bad[0], :]).any() else "inf"
+            raise CheckFailed(
+                f"{where}: row {bad[0]} (which sees {which}) came out {came}. A row that has "
+                f"seen no key yet has m = -inf, and exp(-inf - (-inf)) is nan: where the new "
+                f"maximum is -inf, rescale by 0 (nothing was accumulated), and finish a row "
+                f"with l = 0 as output 0, lse -inf.")
+        if bad:
+            raise CheckFailed(
+                f"{where}: row {bad[0]} came out inf or nan: one of its scores is 800 above the "
+                f"others, and exp of a difference above 709 overflows float64. Exponentiate "
+                f"scores minus the running maximum — the largest score seen so far — only.")
+        compare(lse, want_lse, f"finish's lse {where} (the log of the whole softmax "
+                f"denominator)", atol=1e-10, rtol=1e-12)
+        seen = [r for r in range(scores.shape[-2]) if r != 1]       # row 1 saw no key
+        scale = ((out * want_out).sum(-1) / (want_out * want_out).sum(-1).clamp_min(1e-300))
+        if (torch.allclose(out[..., seen, :], scale[..., seen, None] * want_out[..., seen, :],
+                           atol=1e-10, rtol=1e-8)
+                and not torch.allclose(scale[..., seen], torch.ones_like(scale[..., seen]))):
+            raise CheckFailed(
+                f"{where}: every output row points the right way but has the wrong length (row "
+                f"0 is {scale.reshape(-1, scale.shape[-1])[0, 0].item():.3g} times the softmax's): "
+                f"acc is not normalised — finish divides it by the softmax's denominator, l.")
+        if first_difference(out[..., 0, :], want_out[..., 0, :], 1e-10, 1e-10):
+            raise CheckFailed(
+                f"{where}: row 0 is wrong — its maximum arrives in the last block. When a block "
+                f"raises a row's maximum from m to m', what was accumulated so far was weighted "
+                f"by exp(score − m): rescale both acc and l by exp(m − m') before adding the "
+                f"block.")
+        compare(out, want_out, f"finish's output {where} (softmax of all the scores times v)",
+                atol=1e-10, rtol=1e-10)
+    passed("fold and finish stream a softmax exactly, block by block — rows whose maximum "
+           "arrives last, rows that see nothing, or nothing at first, and scores of about a "
+           "thousand — on 3 shapes folded interleaved, the state never larger than one output "
+           "row, one maximum and one sum per query.")
+
+
+# ---- the ring's traffic, judged by what it carried -----------------------------------------------
+
+def _ring_traffic(trace, world_size, what):
+    """Point-to-point messages to the right neighbour only; returns the bytes each rank sent."""
+    sent = []
+    for rank in range(world_size):
+        right, left = (rank + 1) % world_size, (rank - 1) % world_size
+        for event in trace.comm(rank):
+            if event["op"] not in ("send", "recv"):
+                raise CheckFailed(f"rank {rank} called {event['op']}; {what} uses only "
+                                  f"point-to-point messages to its neighbours.")
+            if event["op"] == "send" and event["peer"] != right:
+                raise CheckFailed(f"rank {rank} sent {event['bytes']} bytes to rank "
+                                  f"{event['peer']}; in a ring, rank {rank} only sends to its "
+                                  f"right neighbour, rank {right}.")
+            if event["op"] == "recv" and event["peer"] not in (None, left):
+                raise CheckFailed(f"rank {rank} received from rank {event['peer']}; in a ring, "
+                                  f"it only receives from its left neighbour, rank {left}.")
+        sent.append(sum(b for _, b in trace.sends(rank)))
+    return sent
 
 
 # ---- exercise 2: one hop of the ring -------------------------------------------------------------
 
+def _hop_tensors(rank, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return [torch.randn(2, generator=g, dtype=torch.float64),
+            torch.randn(3, 2, generator=g, dtype=torch.float64),
+            torch.randint(0, 100, (4,), generator=g)]
+
+
 def _hop_rank(rank, world_size, ring_hop):
-    mine = [torch.full((2,), float(rank + 1)), torch.arange(3, dtype=torch.float64) + 10 * rank]
-    with forbid(*COURSE, exercise="post the sends and receives yourself"):
+    mine = _hop_tensors(rank)
+    with forbid(*COURSE, _hop_tensors, exercise="post the sends and receives yourself"):
         got = ring_hop([t.clone() for t in mine])
     return [t.clone() for t in got] if isinstance(got, (list, tuple)) else got
 
 
-def _check_ring_messages(trace, world_size, per_hop, what):
-    for rank in range(world_size):
-        right, left = (rank + 1) % world_size, (rank - 1) % world_size
-        for peer, nbytes in trace.sends(rank):
-            if peer != right:
-                raise CheckFailed(f"rank {rank} sent {nbytes} bytes to rank {peer}; in a ring, "
-                                  f"rank {rank} only sends to its right neighbour, rank {right}.")
-        for event in trace.comm(rank):
-            if event["op"] == "recv" and event["peer"] not in (None, left):
-                raise CheckFailed(f"rank {rank} received from rank {event['peer']}; in a ring, "
-                                  f"it only receives from its left neighbour, rank {left}.")
-            if event["op"] not in ("send", "recv"):
-                raise CheckFailed(f"rank {rank} called {event['op']}; {what} uses only "
-                                  f"point-to-point messages to its neighbours.")
-        sends = len(trace.sends(rank))
-        if sends != per_hop:
-            raise CheckFailed(f"rank {rank} sent {sends} messages; {what} sends each of its "
-                              f"{per_hop} tensors once to the right.")
-
-
 def check_ring_hop(ring_hop):
     """ring_hop(tensors) sends each tensor to the right neighbour and returns the left one's."""
+    hop_bytes = sum(t.numel() * t.element_size() for t in _hop_tensors(0))
     for n in WORLD_SIZES:
         results = run_learner(_hop_rank, n, ring_hop, name="ring_hop", trace=True, timeout=20)
         for rank, got in enumerate(results):
             left = (rank - 1) % n
-            expected = [torch.full((2,), float(left + 1)),
-                        torch.arange(3, dtype=torch.float64) + 10 * left]
-            compare(got, expected, f"ring_hop with world_size={n}, rank {rank} (it should hold "
-                    f"rank {left}'s tensors)")
-        _check_ring_messages(results.trace, n, 2, "one ring hop")
+            compare(got, _hop_tensors(left), f"ring_hop with world_size={n}, rank {rank} (it "
+                    f"should hold rank {left}'s tensors, same shapes and dtypes)")
+        for rank, nbytes in enumerate(_ring_traffic(results.trace, n, "one ring hop")):
+            if nbytes != hop_bytes:
+                raise CheckFailed(f"with world_size={n}, rank {rank} sent {nbytes} bytes; one "
+                                  f"hop sends its {hop_bytes} bytes of tensors once to the "
+                                  f"right, no more.")
     passed(f"ring_hop passes every tensor one step to the right, on {sizes_phrase(WORLD_SIZES)} "
-           f"ranks, and talks only to its neighbours.")
+           f"ranks, each byte once, and talks only to its neighbours.")
 
 
-# ---- exercise 3: ring attention forward from the two ---------------------------------------------
+# ---- exercise 3: ring attention with the queries travelling --------------------------------------
 
-def _attention_inputs(seq_len, scale=1.0):
+HEADS, KV_HEADS, HEAD_DIM, PER_RANK = 4, 1, 4, 4
+
+
+def _gqa_inputs(seq_len, scale=1.0):
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, seq_len, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    q = torch.randn(1, HEADS, seq_len, HEAD_DIM, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(1, KV_HEADS, seq_len, HEAD_DIM, dtype=torch.float64, generator=g)
+            for _ in range(2))
     return q * scale, k, v
 
 
-def _attention_rank(rank, world_size, attention, seq_len):
-    """(positions, output, bytes held at the peak, output at large scores) on this rank."""
+def _gqa_dense(seq_len, scale=1.0):
+    q, k, v = _gqa_inputs(seq_len, scale)
+    r = HEADS // KV_HEADS
+    return cp.dense_attention(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), True)
+
+
+def _pass_q_rank(rank, world_size, attention, seq_len):
     positions = cp.zigzag_positions(seq_len, rank, world_size)
-    refused = dict(exercise="build ring attention from your merge and ring_hop")
     course = (cp.ring_attention, cp.RingAttention, cp.all_gather_attention, cp.dense_attention,
-              cp._shift)
-    outs, peak = [], None
+              cp._shift, _ulysses.ulysses_attention, _gqa_inputs, _gqa_dense)
+    outs = []
     for scale in (1.0, LARGE):
-        q, k, v = [t[:, :, positions].contiguous() for t in _attention_inputs(seq_len, scale)]
-        with forbid(*course, **refused), PeakTracker([q, k, v, positions]) as held:
+        q, k, v = [t[:, :, positions].contiguous() for t in _gqa_inputs(seq_len, scale)]
+        with forbid(*course, exercise="pass the queries around the ring yourself"):
             outs.append(attention(q, k, v, positions))
-        peak = held.peak - held.baseline if peak is None else peak
-    return positions, outs[0], peak, outs[1]
+    return positions, outs
 
 
-def check_ring_attention(attention):
+def check_ring_attention_pass_q(attention):
     """attention(q, k, v, positions) -> causal attention of this rank's queries over the whole
-    sequence, with K/V (and their positions) passed around the ring and merged as they come."""
-    peaks = {}
+    sequence, K and V staying home, the queries (and their partial results) passed around."""
+    q_bytes = HEADS * PER_RANK * HEAD_DIM * 8
+    kv_bytes = 2 * KV_HEADS * PER_RANK * HEAD_DIM * 8
     for n in WORLD_SIZES:
-        seq_len = 4 * n                       # 4 tokens per rank at every world size
-        expected = cp.dense_attention(*_attention_inputs(seq_len), causal=True)
-        results = run_learner(_attention_rank, n, attention, seq_len, name="ring attention",
+        seq_len = PER_RANK * n
+        results = run_learner(_pass_q_rank, n, attention, seq_len, name="ring attention",
                               trace=True, timeout=20)
-        for rank, (positions, got, _, _) in enumerate(results):
-            compare(got, expected[:, :, positions],
-                    f"attention with world_size={n}, rank {rank} (tokens {positions.tolist()})",
-                    atol=1e-10, rtol=1e-10)
-        large = cp.dense_attention(*_attention_inputs(seq_len, LARGE), causal=True)
-        for rank, (positions, _, _, got) in enumerate(results):
-            if isinstance(got, torch.Tensor) and not torch.isfinite(got).all():
+        for scale, i in ((1.0, 0), (LARGE, 1)):
+            expected = _gqa_dense(seq_len, scale)
+            for rank, (positions, outs) in enumerate(results):
+                got = outs[i]
+                where = (f"attention with world_size={n}, rank {rank} (tokens "
+                         f"{positions.tolist()})" + (", scores of about a thousand" if i else ""))
+                if i and torch.is_tensor(got) and not torch.isfinite(got).all():
+                    raise CheckFailed(f"{where}: your attention returned inf or nan: merge the "
+                                      f"partial results by their log-sum-exps, never by "
+                                      f"exponentiating one.")
+                compare(got, expected[:, :, positions], where, atol=1e-10, rtol=1e-10)
+        sent = _ring_traffic(results.trace, n, "ring attention")
+        least = 2 * ((n - 1) * q_bytes + q_bytes)      # two runs: q's n-1 hops, the output home
+        for rank, nbytes in enumerate(sent):
+            if nbytes < least:
+                kv = nbytes <= 2 * (n - 1) * (kv_bytes + 8 * PER_RANK)
                 raise CheckFailed(
-                    f"with scores of about a thousand (world_size={n}, rank {rank}) your "
-                    f"attention returned inf or nan: exp overflows float64 above 709. Keep a "
-                    f"running maximum (or log-sum-exp) per query and exponentiate scores minus "
-                    f"it, as the online softmax's merge does.")
-            compare(got, large[:, :, positions], f"attention at scores of about a thousand, "
-                    f"world_size={n}, rank {rank}", atol=1e-10, rtol=1e-10)
-        peaks[n] = max(peak for _, _, peak, _ in results)
-        t = results.trace
-        sent = len(t.sends(0))
-        # two runs (ordinary and large scores); K and V travel (and their positions, unless
-        # you compute them): 2 or 3 tensors a hop
-        if sent % (2 * (n - 1)) or sent // (2 * (n - 1)) not in (2, 3):
-            raise CheckFailed(f"on {n} ranks rank 0 sent {sent // 2} messages per attention; "
-                              f"the K/V blocks must travel n - 1 = {n - 1} hops, 2 or 3 tensors "
-                              f"each (K, V and maybe their positions).")
-        _check_ring_messages(t, n, sent, "ring attention")
-    # The same 4 tokens per rank at every world size: an online ring holds one block in hand,
-    # one arriving and the running output, however many ranks there are.
-    small, big = min(WORLD_SIZES), max(WORLD_SIZES)
-    block = 2 * 4 * 4 * 8                       # bytes of one K (or V) block: 2 heads × 4 × 4
-    growth = (peaks[big] - peaks[small]) / block
-    if growth > 0.5:
-        raise CheckFailed(
-            f"with the same 4 tokens per rank, your ring attention held {peaks[small]:,} bytes "
-            f"at its peak on {small} ranks and {peaks[big]:,} on {big} — {growth:.1f} K/V "
-            f"blocks more: it keeps what it has seen. Ring attention folds each visiting block "
-            f"into a running output and log-sum-exp (the online softmax, your merge) and lets "
-            f"it go; keeping every block for one softmax at the end holds the whole sequence's "
-            f"K/V on every rank, which context parallelism exists to avoid.")
-    passed(f"ring attention equals dense causal attention on {sizes_phrase(WORLD_SIZES)} ranks, "
-           f"also at scores of about a thousand, with K/V blocks passed only to the right "
-           f"neighbour and merged as they arrive (the same bytes held at {small} and {big} "
-           f"ranks).")
+                    f"on {n} ranks rank {rank} sent {nbytes:,} bytes in its two runs; "
+                    + ("that is K and V travelling, as in the chapter's ring — here K and V stay "
+                       "home and the queries travel (with their output so far), " if kv else
+                       "the queries must make n - 1 hops and their output come home, ")
+                    + f"at least {least:,} bytes.")
+    passed(f"ring attention with the queries travelling equals dense causal attention (4 query "
+           f"heads, 1 K/V head) on {sizes_phrase(WORLD_SIZES)} ranks, also at scores of about a "
+           f"thousand; only the queries and their partial results went round, to the right "
+           f"neighbour only.")
 
 
 # ---- exercise 4: ring attention's backward -------------------------------------------------------
@@ -249,7 +316,7 @@ def _backward_rank(rank, world_size, ring_backward, seq_len):
     for scale in (1.0, LARGE):
         (q, k, v, grad_out, out, lse), _ = _dense_grads(seq_len, scale)
         mine = [t[:, :, positions].contiguous() for t in (q, k, v, out, lse, grad_out)]
-        with forbid(*COURSE, exercise="write the backward ring yourself"):
+        with forbid(*COURSE, _dense_grads, exercise="write the backward ring yourself"):
             got.append(ring_backward(*mine[:3], positions, *mine[3:]))
     return positions, got[0], got[1]
 
@@ -286,12 +353,14 @@ def check_ring_backward(ring_backward):
                     f"exp(S - lse) in one exponential, never exp(S) / exp(lse).")
             compare(got, [e[:, :, positions] for e in large], f"gradients (dq, dk, dv) at "
                     f"scores of about a thousand, world_size={n}, rank {rank}", 1e-10, 1e-10)
-        t = results.trace
-        sent = len(t.sends(0))
-        _check_ring_messages(t, n, sent, "ring attention's backward")
-        if sent < 2 * n:
-            raise CheckFailed(f"on {n} ranks rank 0 sent {sent} messages; a block's dK and dV "
-                              f"must make N = {n} hops to come home (2 tensors a hop at least).")
+        block = 2 * 4 * 4 * 8                   # one K (or V) block: 2 heads × 4 tokens × 4
+        least = 2 * n * 2 * block               # two runs; dK and dV make N hops to come home
+        for rank, nbytes in enumerate(_ring_traffic(results.trace, n,
+                                                    "ring attention's backward")):
+            if nbytes < least:
+                raise CheckFailed(f"on {n} ranks rank {rank} sent {nbytes:,} bytes in its two "
+                                  f"runs; a block's dK and dV must make N = {n} hops to come "
+                                  f"home, at least {least:,} bytes.")
     passed(f"ring attention's backward equals dense causal attention's gradients on "
            f"{sizes_phrase(WORLD_SIZES)} ranks, also at scores of about a thousand; the block "
            f"gradients came home around the ring.")

@@ -6,8 +6,8 @@ from .. import _argcheck as check
 
 
 #
-# The emulator charges ring attention op by op (the flash kernels' FLOPs at the device's achieved
-# efficiency, each message at its link's latency and bandwidth); these closed forms charge the same
+# The emulator charges ring attention op by op (the flash kernels' FLOPs at the device's attention
+# kernel's rate, each message at its link's latency and bandwidth); these closed forms charge the same
 # formulas for one step, so an emulated ring set beside them checks the code's critical path (does
 # the next block really travel while this one is computed?), not the hardware.
 
@@ -23,7 +23,11 @@ def ring_step_seconds(device, link, block_tokens, heads=32, head_dim=128, kv_hea
     kv = kv_heads or heads
     flops = 4.0 * block_tokens ** 2 * heads * head_dim * (0.5 if causal else 1.0)
     io = item * block_tokens * head_dim * (2 * heads + 2 * kv)           # q, out; k, v
-    compute = device.seconds(flops, io, dtype, (block_tokens, block_tokens, head_dim, heads))
+    # the fused attention kernel (hardware.kernels): zig-zag's half blocks are unmasked kernels,
+    # so the non-causal rate, on half the FLOPs
+    from ..hardware import AttentionShape
+    compute = device.seconds(flops, io, dtype, AttentionShape(block_tokens, block_tokens,
+                                                              head_dim, heads, False, False))
     hop = 2 * link.seconds("send", item * block_tokens * kv * head_dim, 2)
     return dict(compute=compute, hop=hop, overlap=compute >= hop)
 

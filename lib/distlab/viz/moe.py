@@ -184,3 +184,72 @@ def micro_batch_loads(loads, ax=None, title=None):
     if title:
         ax.set_title(title, fontsize=10)
     return ax
+
+
+def token_permutation(experts_per_rank, keep_per_rank, n_experts, title=None):
+    """Who sends which tokens where, for a few ranks' routing ((T, k) experts and keep each):
+    left, each rank's tokens in order (a box per assignment, coloured by its expert, ✕ dropped);
+    middle, the send buffer after the permutation (sorted by expert, hence by destination rank);
+    right, what each rank receives (by source rank, then local expert). Lines: the permutation on
+    the rank, then the dispatch all-to-all across ranks (thick: crosses a link). The combine is
+    the same lines walked back, and the un-permutation adds each row to its token."""
+    from ..expert_parallel import dispatch_plan
+    n = len(experts_per_rank)
+    local = n_experts // n
+    cols = {"tokens": 0.0, "sent": 2.2, "received": 4.6}
+    plans = [dispatch_plan(e, k, n_experts, n) for e, k in zip(experts_per_rank, keep_per_rank)]
+    # rows each rank receives, in arrival order: (source, place in the source's send buffer)
+    received = [[] for _ in range(n)]
+    for s, ((order, splits), e) in enumerate(zip(plans, experts_per_rank)):
+        dest = e.reshape(-1)[order] // local
+        for place, j in enumerate(dest.tolist()):
+            received[j].append((s, place))
+    heights = [max(e.numel(), len(received[r])) for r, e in enumerate(experts_per_rank)]
+    tops = np.cumsum([0] + [h + 1.5 for h in heights])
+    fig, ax = plt.subplots(figsize=(9, 0.32 * tops[-1] + 1.2))
+
+    def box(x, y, e, label, dropped=False):
+        ax.add_patch(plt.Rectangle((x, -y - 0.9), 1.0, 0.85, color=expert_color(e),
+                                   alpha=0.35 if dropped else 1.0))
+        ax.text(x + 0.5, -y - 0.48, label, ha="center", va="center", fontsize=7,
+                color="black" if dropped else "white")
+
+    sent_y = {}
+    for r, (e, k) in enumerate(zip(experts_per_rank, keep_per_rank)):
+        top, slots = tops[r], e.shape[1]
+        ax.text(-0.3, -top - 0.45, f"rank {r}", ha="right", va="center", fontsize=9,
+                fontweight="bold")
+        order = plans[r][0].tolist()
+        for a in range(e.numel()):
+            t, s = divmod(a, slots)
+            box(cols["tokens"], top + a, int(e[t, s]), f"t{t}" + ("✕" if not k[t, s] else ""),
+                dropped=not bool(k[t, s]))
+        for place, a in enumerate(order):
+            t, s = divmod(a, slots)
+            box(cols["sent"], top + place, int(e[t, s]), f"t{t}")
+            sent_y[(r, place)] = top + place
+            ax.plot([cols["tokens"] + 1, cols["sent"]], [-top - a - 0.48, -top - place - 0.48],
+                    color="#999999", lw=0.7)
+    for j in range(n):
+        for i, (s, place) in enumerate(received[j]):
+            a = plans[s][0][place].item()
+            t, slot = divmod(a, experts_per_rank[s].shape[1])
+            box(cols["received"], tops[j] + i, int(experts_per_rank[s][t, slot]), f"r{s}·t{t}")
+            ax.plot([cols["sent"] + 1, cols["received"]],
+                    [-sent_y[(s, place)] - 0.48, -tops[j] - i - 0.48],
+                    color="#C44E52" if s != j else "#999999", lw=1.6 if s != j else 0.7)
+    for name, x in cols.items():
+        ax.text(x + 0.5, 0.6, {"tokens": "tokens (each choice)", "sent": "permuted: by expert",
+                               "received": "received: by source, expert"}[name],
+                ha="center", fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=expert_color(e)) for e in range(n_experts)]
+    ax.legend(handles, [f"expert {e} (rank {e // local})" for e in range(n_experts)],
+              loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(n_experts, 4), fontsize=8,
+              frameon=False)
+    ax.set_xlim(-1.4, cols["received"] + 1.3)
+    ax.set_ylim(-tops[-1], 1.2)
+    ax.axis("off")
+    ax.set_title(title or "the permutation and the dispatch all-to-all (red: crosses a link)",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
