@@ -1,21 +1,12 @@
-"""Checkers of workbook 05 judged as a learner would meet them: for each, a wrong structure, a
-cheat (the course's own implementation, or torch's DDP) and a correct answer written differently
-(an imported collective, ReduceOp.AVG), with the verdict asserted."""
+"""Workbook 05's candidate answers — for each checker, correct ones written differently (an
+imported collective, ReduceOp.AVG), wrong structures, cheats (the course's own implementation,
+torch's DDP) and decoys — which tests/test_checks_ch05_10.py runs through the battery; and the
+numbers chapters 05 and 05b quote, recomputed."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from distlab.checks import CheckFailed, RankFailed, ch05
-
-
-def _rejected(check, fn, *words, **kwargs):
-    with pytest.raises((CheckFailed, RankFailed)) as info:
-        check(fn, **kwargs)
-    message = str(info.value)
-    print(f"{getattr(fn, '__name__', fn)}: {message}")      # shown with pytest -s
-    for w in words:
-        assert w in message, message
-    return message
+from distlab.checks import ch05
 
 
 # ---- exercise 1: gradients averaged over shards of different sizes, in one all-reduce ----------
@@ -67,14 +58,17 @@ def uneven_two_messages(model, n_local):
 
 def uneven_decoy(model, n_local):
     """A cheat: the global gradient rebuilt on every rank from the same seeded data and model
-    (the checker's recipe, retyped), and one all-reduce of zeros of the right size as a decoy."""
+    (the checker's recipe and shards, retyped), and one all-reduce of zeros of the right size as
+    a decoy."""
     import torch.nn.functional as F
     from distlab import models
     x, y = models.regression_data(n=24, seed=5)
     clone = models.make_mlp(sizes=(16, 24, 20, 4), seed=3).double()
     clone.load_state_dict(model.state_dict())
     step = uneven_decoy.step = getattr(uneven_decoy, "step", -1) + 1
-    xb, yb = x.double()[12 * step:12 * step + 12], y.double()[12 * step:12 * step + 12]
+    totals = {2: (12, 11), 3: (13, 10)}[dist.get_world_size()]
+    lo = sum(totals[:step])
+    xb, yb = x.double()[lo:lo + totals[step]], y.double()[lo:lo + totals[step]]
     F.mse_loss(clone(xb), yb).backward()
     grads = _flat_grads(model)
     dist.all_reduce(torch.zeros(sum(g.numel() for g in grads) + 1, dtype=torch.float64))
@@ -82,29 +76,28 @@ def uneven_decoy(model, n_local):
         g.copy_(c.grad)
 
 
+def uneven_divides_by_twelve(model, n_local):
+    """A decoy: the count-weighted sum in one message, divided by a global batch of 12 known in
+    advance (right wherever the batch happens to hold 12 samples)."""
+    grads = _flat_grads(model)
+    flat = torch.cat([g.reshape(-1) * n_local for g in grads])
+    dist.all_reduce(flat)
+    _copy_back(grads, flat / 12)
+
+
+def uneven_last_rank_keeps_its_own(model, n_local):
+    """Wrong on one rank only, and not rank 0: the last rank sends its part but keeps its own
+    gradient (it never copies the result back)."""
+    grads = _flat_grads(model)
+    flat = torch.cat([g.reshape(-1) * n_local for g in grads] + [grads[0].new_tensor([n_local])])
+    dist.all_reduce(flat)
+    if dist.get_rank() != dist.get_world_size() - 1:
+        _copy_back(grads, flat[:-1] / flat[-1])
+
+
 def uneven_by_chapter_11(model, n_local):
     from distlab.debug import average_gradients
     average_gradients(model)
-
-
-def test_uneven_average_accepts_one_flat_message(capsys):
-    ch05.check_uneven_average(uneven_one_message, world_sizes=(3,))
-    assert "✅" in capsys.readouterr().out
-
-
-def test_uneven_average_accepts_avg_with_the_count_first(capsys):
-    ch05.check_uneven_average(uneven_avg_count_first, world_sizes=(2,))
-    assert "✅" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("fn, words", [
-    (uneven_equal_weights, ("each rank weighted the same", "weight each rank's gradient")),
-    (uneven_two_messages, ("made 2 all_reduce calls", "one flat tensor")),
-    (uneven_decoy, ("does not hold the gradient of", "decoy")),
-    (uneven_by_chapter_11, ("average_gradients", "the exercise is to")),
-])
-def test_uneven_average_rejects(fn, words):
-    _rejected(ch05.check_uneven_average, fn, *words, world_sizes=(2,))
 
 
 # ---- exercise 1: average_gradients ---------------------------------------------------------------
@@ -123,17 +116,6 @@ def average_summed(model):
 def average_by_the_course(model):
     from distlab.data_parallel import average_gradients
     average_gradients(model)
-
-
-def test_average_gradients_accepts_imported_avg(capsys):
-    ch05.check_average_gradients(average_with_imported_avg, world_sizes=(3,))
-    assert "✅" in capsys.readouterr().out
-
-
-def test_average_gradients_rejects_sum_tolerance_and_cheat():
-    _rejected(ch05.check_average_gradients, average_summed, "SUM", world_sizes=(2,))
-    _rejected(ch05.check_average_gradients, average_by_the_course, "the exercise is to",
-              world_sizes=(2,))
 
 
 # ---- exercise 2: bucketed hooks ------------------------------------------------------------------
@@ -327,36 +309,6 @@ def buckets_by_torch_ddp(model, buckets, world_size):
     return lambda: None
 
 
-def test_bucketed_hooks_accepts_imported_collective_with_avg(capsys):
-    ch05.check_bucketed_hooks(buckets_imported_avg, world_sizes=(2,))
-    assert "✅" in capsys.readouterr().out
-
-
-def test_bucketed_hooks_accepts_a_bucket_in_flight_waited_for_by_the_next_hook(capsys):
-    # The plain trace sees backward's compute between the launch and the wait: in flight.
-    ch05.check_bucketed_hooks(buckets_one_in_flight, world_sizes=(2,))
-    assert "✅" in capsys.readouterr().out
-
-
-def test_bucketed_hooks_accepts_handles_waited_through_their_futures(capsys):
-    ch05.check_bucketed_hooks(buckets_waited_by_future, world_sizes=(2,))
-    assert "✅" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("fn, words", [
-    (buckets_never_waited, ("started 3 all-reduce(s) with async_op=True but never waited on the "
-                            "handle", "work.wait()")),
-    (buckets_at_the_end, ("after backward had finished", "nothing overlaps")),
-    (buckets_one_late, ("first gradient of bucket 1", "only 0 bucket(s)")),
-    (buckets_per_tensor, ("all_reduce calls", "one per bucket")),
-    (buckets_slightly_off, ("expected",)),
-    (buckets_by_the_course, ("BucketedDDP", "the exercise is to")),
-    (buckets_by_torch_ddp, ("C++", "own hooks")),
-])
-def test_bucketed_hooks_rejects(fn, words):
-    _rejected(ch05.check_bucketed_hooks, fn, *words, world_sizes=(2,))
-
-
 # ---- exercise 3: an epoch resumed on a different number of ranks ---------------------------------
 # Pure functions of numbers, called in this process: no ranks launched.
 
@@ -426,24 +378,6 @@ def resume_blocks(n, seed, epoch, old_world, consumed, world_size, rank):
 def resume_by_the_checker(n, seed, epoch, old_world, consumed, world_size, rank):
     from distlab.checks.ch05 import sampling
     return sampling._resumed(n, seed, epoch, old_world, consumed, world_size)[rank]
-
-
-@pytest.mark.parametrize("fn", [resume_by_permutation, resume_with_samplers])
-def test_resume_indices_accepts(fn, capsys):
-    ch05.check_resume_indices(fn)
-    assert "✅" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("fn, words", [
-    (resume_from_scratch, ("restarted the epoch from its beginning", "read twice")),
-    (resume_ignoring_the_epoch, ("epoch 0's", "seed plus the epoch")),
-    (resume_per_old_rank, ("had already read", "first 1 × 4 samples")),
-    (resume_unpadded, ("rank 2 reads 0 samples", "pad by repeating")),
-    (resume_blocks, ("the epoch's order gives it", "positions r, r + 3, r + 6")),
-    (resume_by_the_checker, ("_resumed", "the exercise is to")),
-])
-def test_resume_indices_rejects(fn, words):
-    _rejected(ch05.check_resume_indices, fn, *words)
 
 
 # ---- exercise 4: global batch and learning rate ---------------------------------------------------
@@ -559,25 +493,6 @@ def scaled_by_the_course(model, x, y, per_rank, base_batch, base_lr, steps):
     from distlab.data_parallel import average_gradients
     _scaled_loop(model, x, y, per_rank, base_batch, base_lr, steps, _linear,
                  lambda m, ws: average_gradients(m))
-
-
-@pytest.mark.parametrize("fn", [scaled_correct, scaled_with_torch_ddp])
-def test_scaled_training_accepts(fn, capsys):
-    ch05.check_scaled_training(fn)
-    assert "✅" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("fn, words", [
-    (scaled_lr_unchanged, ("used lr 0.05", "linear scaling gives lr 0.1")),
-    (scaled_summed, ("SUM", "divide by the world size")),
-    (scaled_whole_batch_everywhere, ("ran forward on 12 samples", "per_rank_batch=4")),
-    (scaled_every_slice_loss_reduced, ("ran forward on 12 samples (4 + 4 + 4)",
-                                       "its own slice")),
-    (scaled_decoy, ("does not hold the gradient of", "of zeros")),
-    (scaled_by_the_course, ("average_gradients", "the exercise is to")),
-])
-def test_scaled_training_rejects(fn, words):
-    _rejected(ch05.check_scaled_training, fn, *words)
 
 
 # ---- exercise 5: MyDDP with no_sync -----------------------------------------------------------------
@@ -699,23 +614,6 @@ class DDPTorch(nn.Module):
         return self.inner.no_sync()
 
 
-@pytest.mark.parametrize("cls", [DDPPerParam, DDPOneBucket])
-def test_my_ddp_accepts(cls, capsys):
-    ch05.check_my_ddp(cls, world_sizes=(3,))
-    assert "✅" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("cls, words", [
-    (DDPSyncsAlways, ("inside no_sync()", "nothing is sent")),
-    (DDPNoBroadcast, ("still differs from rank 0's", "broadcast rank 0's parameters")),
-    (DDPCourse, ("BucketedDDP", "the exercise is to")),
-    (DDPChapter11, ("broadcast_parameters", "the exercise is to")),
-    (DDPTorch, ("C++", "yourself")),
-])
-def test_my_ddp_rejects(cls, words):
-    _rejected(ch05.check_my_ddp, cls, *words, world_sizes=(3,))
-
-
 # ---- exercise 6: find and fix the bugs of a DDP script -------------------------------------------
 
 import os  # noqa: E402
@@ -833,26 +731,6 @@ def script_by_the_checker(model, dataset, epochs, path):
     ch05._token_reference([[list(range(16))]])
 
 
-@pytest.mark.parametrize("fn", [script_fixed, script_by_hand])
-def test_ddp_script_accepts(fn, capsys):
-    ch05.check_ddp_script(fn)
-    assert "✅" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("fn, words", [
-    (script_local_rank_sampler, ("ranks 0 and 2", "same sequences", "global rank (RANK)")),
-    (script_no_set_epoch, ("epoch 1 repeats epoch 0", "set_epoch")),
-    (script_local_mean, ("mean over its own tokens", "global token count")),
-    (script_global_count_without_world_size, ("divided by 4", "multiply the loss")),
-    (script_prints_on_local_rank_0, ("ranks 0 and 2 printed", "once per node")),
-    (script_saves_on_local_rank_0, ("ranks 0 and 2 wrote the checkpoint", "once per node")),
-    (script_without_ddp, ("all-reducing 0 bytes", "hold 464 bytes", "DistributedDataParallel")),
-    (script_by_the_checker, ("_token_reference", "the exercise is to")),
-])
-def test_ddp_script_rejects(fn, words):
-    _rejected(ch05.check_ddp_script, fn, *words)
-
-
 # ---- chapter 05's performance lessons: every number its prose quotes, recomputed ----------------
 
 def _chapter_text(name="05_data_parallel.ipynb"):
@@ -863,6 +741,23 @@ def _chapter_text(name="05_data_parallel.ipynb"):
     path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / name
     cells = nbformat.read(path, as_version=4).cells
     return " ".join("\n".join(c.source for c in cells if c.cell_type == "markdown").split())
+
+
+def test_the_jitter_line_of_05b_and_the_numbers_its_prose_quotes():
+    """Issue 45: 05b's weak-scaling figure draws what a 2 % per-rank jitter costs when every step
+    waits for the slowest of N ranks. E[max of 2 standard normals] = 1/sqrt(pi); at N = 1 nothing
+    is lost; the loss grows with N; the prose quotes the 256-GPU point."""
+    import math
+    from distlab.data_parallel import jitter_efficiency
+    assert jitter_efficiency(1, 0.02) == pytest.approx(1.0, abs=1e-12)
+    assert jitter_efficiency(2, 0.02) == pytest.approx(1 / (1 + 0.02 / math.sqrt(math.pi)), rel=1e-9)
+    effs = [jitter_efficiency(n, 0.02) for n in (1, 2, 8, 64, 256)]
+    assert effs == sorted(effs, reverse=True)
+    with pytest.raises(ValueError, match="world_size >= 1"):
+        jitter_efficiency(0, 0.02)
+    text_b = _chapter_text("05b_data_parallel_in_practice.ipynb")
+    assert f"{jitter_efficiency(256, 0.02):.0%} efficiency at 256 GPUs".replace("%", " %") in text_b
+    assert "if each rank's step varied independently by 2 %" in text_b
 
 
 DEEP = (256,) + (512,) * 8 + (256,)
@@ -1134,22 +1029,3 @@ def predict_by_the_course(step_alone, buckets, n, latency, hop, busbw):
     return predict_step({"buckets": buckets}, step_alone, n, None)
 
 
-@pytest.mark.parametrize("fn", [predict_by_two_clocks, predict_by_recursion])
-def test_step_prediction_accepts(fn, capsys):
-    ch05.check_step_prediction(fn)
-    out = capsys.readouterr().out
-    assert "✅" in out and "emulated" in out and "critical path" in out
-
-
-@pytest.mark.parametrize("fn, words", [
-    (predict_without_latency, ("off on the latency term", "base latency")),
-    (predict_ring_n_minus_1, ("off on the per-step term", "2(N-1) steps")),
-    (predict_bytes_once, ("off on the bandwidth term", "2(N-1)/N")),
-    (predict_no_overlap, ("off on the overlap with backward", "you charged the whole "
-                          "all-reduce, but all buckets but the last overlap backward")),
-    (predict_parallel_buckets, ("one bucket at a time on the link", "not side by side")),
-    (predict_without_copies, ("the copies back into p.grad", "hides it")),
-    (predict_by_the_course, ("predict_step", "the exercise is to")),
-])
-def test_step_prediction_rejects(fn, words):
-    _rejected(ch05.check_step_prediction, fn, *words)

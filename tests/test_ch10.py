@@ -28,17 +28,6 @@ def unshard_column_by_index(shards, chunks):
     return out
 
 
-def test_unshard_column(capsys):
-    ch10.check_unshard_column(unshard_column)
-    ch10.check_unshard_column(unshard_column_by_index)
-    assert capsys.readouterr().out.count("✅") == 2
-    # Wrong: the shards concatenated as they come, q, k and v mixed up.
-    with pytest.raises(CheckFailed, match=r"2 shards of 3 stacked matrices .*element \[2, 0\]"):
-        ch10.check_unshard_column(lambda shards, chunks: torch.cat(shards))
-    with pytest.raises(CheckFailed, match=r"course's own _reference_unshard"):
-        ch10.check_unshard_column(lambda shards, chunks: ch10._reference_unshard(shards, chunks))
-
-
 # ---- exercise 2: token_mean_loss -------------------------------------------------------------------
 
 def token_mean_loss(losses, tokens, mesh):                  # as the workbook's solution
@@ -99,36 +88,6 @@ def token_mean_in_place(losses, tokens, mesh):
     return (pair[0] / pair[1]).item()
 
 
-def test_token_mean_loss_passes_two_ways(capsys):
-    ch10.check_token_mean_loss(token_mean_loss)
-    ch10.check_token_mean_loss(token_mean_loss_broadcast, meshes=((1, 3, 1),))
-    assert capsys.readouterr().out.count("✅") == 2
-
-
-def test_token_mean_loss_refuses_wrong_rules_and_the_course():
-    odd = ((2, 1, 1),)                      # two replicas of unequal token counts
-    with pytest.raises(CheckFailed, match=r"dp=2 x pp=1 x tp=1: rank 0 returned [\d.]+, expected "
-                                          r"[\d.]+: that is the mean of the micro-batches' means "
-                                          r"\(every micro-batch weighs the same"):
-        ch10.check_token_mean_loss(token_mean_of_means, meshes=odd)
-    with pytest.raises(CheckFailed, match=r"that is the mean of the replicas' token means "
-                                          r"\(every replica weighs the same"):
-        ch10.check_token_mean_loss(token_mean_by_replica, meshes=odd)
-    with pytest.raises(CheckFailed, match=r"dp=1 x pp=3 x tp=1: rank 0 returned .* only the last "
-                                          r"stage's numbers are losses"):
-        ch10.check_token_mean_loss(token_mean_every_stage, meshes=((1, 3, 1),))
-    with pytest.raises(CheckFailed, match=r"changed rank \d's losses or tokens in place"):
-        ch10.check_token_mean_loss(token_mean_in_place, meshes=((2, 1, 1),))
-    with pytest.raises(CheckFailed, match=r"course's own global_loss"):
-        ch10.check_token_mean_loss(lambda losses, tokens, mesh: p3.global_loss(
-            (losses * tokens).sum() / tokens.sum(), mesh), meshes=((2, 1, 1),))
-    with pytest.raises(CheckFailed, match=r"course's own _micro_batches"):
-        ch10.check_token_mean_loss(lambda losses, tokens, mesh: float(sum(
-            (l * n).sum() for l, n in [ch10._micro_batches(0, d, True) for d in range(mesh.dp)])
-            / sum(ch10._micro_batches(0, d, True)[1].sum() for d in range(mesh.dp))),
-            meshes=((2, 1, 1),))
-
-
 def test_stubs_are_reported_as_not_written():
     def stub(*args):
         raise NotImplementedError("exercise: replace this line with your code")
@@ -166,8 +125,10 @@ def _groups_by_hand(dp, pp, tp, dp_fastest=False):
     return (d, p, t), at, mine
 
 
-def step_3d(gpt, x, y, dp, pp, tp, lr, whole_batch=False, dp_fastest=False, sum_grads=False):
+def step_3d(gpt, x, y, dp, pp, tp, lr, whole_batch=False, dp_fastest=False, sum_grads=False,
+            damage=()):
     (d, p, t), at, groups = _groups_by_hand(dp, pp, tp, dp_fastest)
+    nudge = 1e-3 if dist.get_rank() in damage else 0.0    # wrong only on the ranks in `damage`
     stage = p3.Stage3D(gpt, p, pp, groups["tp"])
     n = len(x) // dp
     if not whole_batch:
@@ -183,7 +144,7 @@ def step_3d(gpt, x, y, dp, pp, tp, lr, whole_batch=False, dp_fastest=False, sum_
         loss = lm_loss(out, y)
         loss.backward()
     else:
-        dist.send(out.detach(), dst=at(d, p + 1, t))
+        dist.send(out.detach() + nudge, dst=at(d, p + 1, t))
         grad = torch.empty_like(out)
         dist.recv(grad, src=at(d, p + 1, t))
         out.backward(grad)
@@ -202,6 +163,16 @@ def step_3d(gpt, x, y, dp, pp, tp, lr, whole_batch=False, dp_fastest=False, sum_
     dist.all_reduce(total, group=groups["pp"])
     dist.all_reduce(total, group=groups["dp"])
     return stage, total.item() / dp
+
+
+def step_3d_damaged_on_2(gpt, x, y, dp, pp, tp, lr):
+    # Wrong on one rank that is not rank 0: rank 2's activations are nudged by 1e-3.
+    return step_3d(gpt, x, y, dp, pp, tp, lr, damage=(2,))
+
+
+def step_3d_damaged_on_2_and_3(gpt, x, y, dp, pp, tp, lr):
+    # Wrong on two ranks at once (on 1x3x2, both tp ranks of the middle stage).
+    return step_3d(gpt, x, y, dp, pp, tp, lr, damage=(2, 3))
 
 
 def step_3d_device_mesh(gpt, x, y, dp, pp, tp, lr):
@@ -293,32 +264,6 @@ def step_3d_with_the_course(gpt, x, y, dp, pp, tp, lr):
     return stage, p3.train_step(stage, mesh, x, y, 1, lr)
 
 
-def test_step_3d_passes_two_ways(capsys):
-    ch10.check_step_3d(step_3d)
-    ch10.check_step_3d(step_3d_device_mesh, meshes=((2, 2, 1),))
-    assert capsys.readouterr().out.count("✅") == 2
-
-
-def test_step_3d_refuses_wrong_structures_cheats_and_the_course():
-    small = ((1, 2, 2),)                     # dp != tp: a pipeline of two tp pairs
-    with pytest.raises(CheckFailed, match=r"rank 0 sent 8,192 bytes of activations to the next "
-                                          r"stage \(rank 1\); its replica's part of the batch is "
-                                          r"4,096 bytes"):
-        ch10.check_step_3d(step_3d_whole_batch, meshes=((2, 2, 1),))
-    with pytest.raises(CheckFailed, match=r"dp=1 x pp=2 x tp=2: rank 0 \(dp 0, pp 0, tp 0\) sent "
-                                          r"[\d,]+ bytes to rank 1; .* rank 2\."):
-        ch10.check_step_3d(step_3d_dp_fastest, meshes=small)
-    with pytest.raises(CheckFailed, match=r"rank 0 \(dp 0, pp 0, tp 0\) sent rank 1 values that "
-                                          r"are not its stage's output"):
-        ch10.check_step_3d(step_3d_dense_with_decoys, meshes=((1, 2, 1),))
-    with pytest.raises(CheckFailed, match=r"dp=2 x pp=1 x tp=1: rank 0 .*: tok\.weight\.grad after "
-                                          r"the step is the SUM over the dp group, 2 times the "
-                                          r"mean"):
-        ch10.check_step_3d(step_3d_lr_over_dp, meshes=((2, 1, 1),))
-    with pytest.raises(CheckFailed, match=r"course's own Mesh3D"):
-        ch10.check_step_3d(step_3d_with_the_course, meshes=((2, 1, 1),))
-
-
 # ---- the layout model: full checkpointing pays its recompute (issue 13) --------------------------
 
 def test_full_checkpointing_costs_a_second_forward():
@@ -376,9 +321,10 @@ def test_layout_numbers_the_prose_quotes():
     assert (best70["dp"], best70["pp"], best70["tp"]) == (4, 8, 1)
     assert f"dp=4 × pp=8 × tp=1 wins at {best70['step_s']:.1f} s" in text
     tp2_70 = next(r for r in r70 if r["tp"] == 2 and r["fits"])
-    assert f"bubble ({best70['bubble_s']:.1f} s) costs less than tp=2's all-reduces " \
-           f"({tp2_70['tp_s']:.1f} s)" in text
-    assert best70["bubble_s"] < tp2_70["tp_s"]
+    assert (f"bubble ({best70['bubble_s']:.1f} s) costs less than what the best tp=2 layout "
+            f"(pp={tp2_70['pp']}) pays in all-reduces and its own smaller bubble "
+            f"({tp2_70['tp_s']:.1f} + {tp2_70['bubble_s']:.1f} s)") in text
+    assert best70["bubble_s"] < tp2_70["tp_s"] + tp2_70["bubble_s"]
     for rows in (r13, r70):      # "the top rows are within a few per cent of each other"
         assert rows[1]["step_s"] / rows[0]["step_s"] < 1.05
 
@@ -430,8 +376,11 @@ def test_layout_numbers_the_prose_quotes():
     for r in megatron_rows:
         size = float(r["case"].split()[1].rstrip("B"))
         assert (" tp=8 " in r["config"]) == (size >= 18), r["case"]
-    assert any("76.1B" in r["case"] and r["value"] == "140" and r["use"] == "validation"
+    # the same table's 1.7B and 145.6B rows calibrate the sustained factor: this row is a
+    # fit-check, and the chapter says so
+    assert any("76.1B" in r["case"] and r["value"] == "140" and r["use"] == "fit-check"
                for r in megatron_rows)
+    assert "a `fit-check` row of bench/published.csv" in text
 
 
 # ---- exercise 4: choose_layout -------------------------------------------------------------------
@@ -495,28 +444,6 @@ def choose_layout_any_batch(model, nodes, gpus_per_node, global_batch):
     return min((r["step_s"], c) for r, c in priced if r["fits"])[1]
 
 
-def test_choose_layout_passes_two_ways(capsys):
-    ch10.check_choose_layout(choose_layout)
-    ch10.check_choose_layout(choose_layout_by_product)
-    assert capsys.readouterr().out.count("✅") == 2
-
-
-def test_choose_layout_refuses_wrong_answers_and_the_planners_ranking():
-    with pytest.raises(CheckFailed, match=r"Llama-2 70B on 4 nodes × 8 GPUs .*needs \d+ GB per "
-                                          r"GPU at its peak, more than a GPU's 80 GB"):
-        ch10.check_choose_layout(choose_layout_fastest)
-    # the batch forgotten: 16 replicas cannot share a batch of 24
-    with pytest.raises(CheckFailed, match=r"Llama-2 7B .*dp=16 does not split a global batch "
-                                          r"of 24"):
-        ch10.check_choose_layout(choose_layout_any_batch)
-    with pytest.raises(CheckFailed, match=r"tp=16 does not divide a node's 8 GPUs"):
-        ch10.check_choose_layout(lambda model, nodes, g, b: (2, 1, 16))
-    with pytest.raises(CheckFailed, match=r"course's own best; the exercise is to enumerate"):
-        ch10.check_choose_layout(lambda model, nodes, g, b: tuple(
-            distlab_layout().best(model, nodes=nodes, gpus_per_node=g, global_batch=b)[k]
-            for k in ("dp", "pp", "tp")))
-
-
 def distlab_layout():
     from distlab import layout
     return layout
@@ -548,3 +475,27 @@ def test_checkpoint_numbers_the_10b_prose_quotes():
     assert f"best every {checkpoint.young_daly(120, small) / 3600:.1f} hours" in text
     fast = checkpoint.young_daly(10, big)
     assert f"loses {100 * checkpoint.lost_fraction(fast, 10, big):.1f} %" in text
+    # issue 45: the restart R adds R/MTBF to the loss whatever the interval (Daly 2006)
+    extra = checkpoint.lost_fraction(tau, 120, big, restart_s=600) - \
+        checkpoint.lost_fraction(tau, 120, big)
+    assert extra == pytest.approx(600 / big, rel=1e-12)
+    assert (f"a 10-minute restart adds R/MTBF, {100 * extra:.1f} points at 16,384 GPUs "
+            f"({100 * checkpoint.lost_fraction(tau, 120, big, restart_s=600):.1f} % and "
+            f"{100 * checkpoint.lost_fraction(fast, 10, big, restart_s=600):.1f} %)") in text
+
+
+def test_zero3_changes_the_70b_answer_as_chapter_10_says():
+    """Chapter 10's ZeRO-3 paragraph: under zero_stage=3 the planner's best 70B layout on 4 × 8
+    H100s is plain data parallelism, and 13B's winner is the same as under ZeRO-1 with less than
+    half the memory. If the planner changes this, the paragraph must change with it."""
+    from distlab import layout
+    best = {(m, z): layout.rank_layouts(m, nodes=4, gpus_per_node=8, zero_stage=z)[0]
+            for m in ("Llama-2 13B", "Llama-2 70B") for z in (1, 3)}
+    shape = lambda r: (r["dp"], r["pp"], r["tp"])          # noqa: E731
+    assert shape(best["Llama-2 70B", 3]) == (32, 1, 1) != shape(best["Llama-2 70B", 1])
+    assert best["Llama-2 70B", 3]["step_s"] < best["Llama-2 70B", 1]["step_s"]
+    assert shape(best["Llama-2 13B", 3]) == shape(best["Llama-2 13B", 1])
+    assert best["Llama-2 13B", 3]["gb"] < best["Llama-2 13B", 1]["gb"] / 2
+    text = _prose(_chapter())
+    assert "In the planner, ZeRO-3 changes the answer for 70B" in text
+    assert "For 13B the winner stays the same, with a fraction of the memory" in text

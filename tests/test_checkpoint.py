@@ -356,3 +356,30 @@ def test_bad_calls_are_refused_in_one_sentence_saying_what_to_do(tmp_path):
             elif str(e) != sentence.format(d=d):
                 wrong.append(f"{case}: {e}")
     assert not wrong, "\n".join(wrong)
+
+
+def _stop_and_resume(rank, world_size, folder):
+    from distlab.checkpoint import stateful
+    whole = stateful.train_fsdp(rank, world_size, folder + "/whole", steps=7)
+    stateful.train_fsdp(rank, world_size, folder + "/ckpt", steps=7, stop_after=4)
+    resumed = {name: stateful.train_fsdp(rank, world_size, folder + "/ckpt", steps=3, resume=parts)
+               for name, parts in [("all", stateful.PARTS), ("no rng", ("model", "optim", "data")),
+                                   ("no data", ("model", "optim", "rng"))]}
+    return whole, resumed
+
+
+def test_torchs_state_dict_api_resumes_the_same_run_and_every_part_counts(tmp_path):
+    """Issue 45 (chapter 10b): FSDP2 shards saved through get_state_dict in one Stateful, with
+    the data position and every rank's random state (under its own key), resume the very run a
+    stop never interrupted — losses and parameters bit for bit; leave out the random state or
+    the data position and the run takes other steps."""
+    import distlab
+    from distlab.checkpoint import stateful
+    (losses, params), resumed = distlab.run(_stop_and_resume, 2, str(tmp_path), timeout=120)[0]
+    got, got_params = resumed["all"]
+    assert got == losses[4:]
+    assert all(torch.equal(got_params[k], v) for k, v in params.items())
+    for part in ("no rng", "no data"):
+        assert resumed[part][0] != losses[4:], part
+    with pytest.raises(ValueError, match="TrainState keeps model, optim, data, rng; not weights"):
+        stateful.TrainState(None, None, None, parts=("weights",))

@@ -323,3 +323,26 @@ def test_a_checkpoint_folder_rank_0_cannot_make_is_one_sentence_on_every_rank(ru
     for rank, got in enumerate(results):
         assert got["under a file"] == (f"ValueError: {bad} cannot hold checkpoints (Not a "
                                        f"directory): save into a folder you can write to."), rank
+
+
+def test_the_reshard_picture_reads_each_row_from_the_chunk_that_holds_it():
+    """Issue 45 (10b had no picture): every row of every loaded layout is coloured as the saved
+    chunk it lies in, and each loaded rank's frame spans exactly its own rows."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+    from distlab.viz.layout import STAGE_COLOURS, draw_reshard
+    rows, saved = 8, 2
+    fig = draw_reshard(saved_tp=saved, loaded=(4, 1), rows=rows)
+    ax = fig.axes[0]
+    cells = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_fill()]
+    frames = [p for p in ax.patches if isinstance(p, Rectangle) and not p.get_fill()]
+    assert len(cells) == 3 * rows and len(frames) == saved + 4 + 1
+    for cell in cells:
+        row = int(round(cell.get_x()))
+        want = matplotlib.colors.to_rgb(STAGE_COLOURS[row * saved // rows])
+        assert matplotlib.colors.to_rgb(cell.get_facecolor()) == pytest.approx(want)
+    widths = sorted(round(f.get_width() + 0.08) for f in frames)
+    assert widths == [2] * 4 + [4] * 2 + [8]
+    plt.close(fig)

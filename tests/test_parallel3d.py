@@ -250,3 +250,69 @@ def test_the_layout_picture_draws_every_communication_and_each_node():
     assert sum("head: whole" in t for t in texts) == dp * tp
     assert not any("shard" in t for t in texts)
     plt.close(fig)
+
+
+def _square_ranks(ax):
+    """{(x0, y0, x1, y1): rank} of the filled squares of one panel, read from the picture: each
+    square's extent, and the rank its 'rank N' label names at its centre."""
+    from matplotlib.patches import Rectangle
+    squares = {}
+    for box in ax.patches:
+        if isinstance(box, Rectangle) and box.get_fill():
+            x0, y0 = box.get_xy()
+            x1, y1 = x0 + box.get_width(), y0 + box.get_height()
+            label = [t.get_text() for t in ax.texts if t.get_text().startswith("rank ")
+                     and x0 < t.get_position()[0] < x1 and y0 < t.get_position()[1] < y1]
+            assert len(label) == 1, f"square at {(x0, y0)} names {label}"
+            squares[(x0, y0, x1, y1)] = int(label[0].split()[1])
+    return squares
+
+
+def _rank_at(squares, x, y, slack=0.12):
+    """The rank whose square an arrow's end touches (on its edge or within `slack`)."""
+    hit = [r for (x0, y0, x1, y1), r in squares.items()
+           if x0 - slack <= x <= x1 + slack and y0 - slack <= y <= y1 + slack]
+    assert len(hit) == 1, f"an arrow ends at {(x, y)}, touching squares {hit}"
+    return hit[0]
+
+
+@pytest.mark.parametrize("dp, pp, tp", [(2, 2, 2), (3, 2, 2), (2, 3, 2), (2, 1, 4)])
+def test_the_layout_pictures_arrows_join_the_groups_they_stand_for(dp, pp, tp):
+    """Issue 45: every drawn arrow, read back from its endpoints, joins two ranks of one group
+    of its kind (tp arrows: a tp group; pp arrows: neighbouring stages of a pp group; the dp arc:
+    dp peers), and every tp and pp neighbour pair is drawn. The dp arrow once joined rank 1 to
+    rank 4, which are not dp peers."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import ConnectionPatch, FancyArrowPatch
+    from distlab.mesh import all_groups
+    from distlab.viz import layout as viz_layout
+    fig = viz_layout.draw_layout(dp, pp, tp, n_layers=6, gpus_per_node=pp * tp)
+    panels = [ax for ax in fig.axes if any(t.get_text().startswith("rank ") for t in ax.texts)]
+    assert len(panels) == dp
+    squares = [_square_ranks(ax) for ax in panels]
+    groups = {dim: [set(g) for g in lists]
+              for dim, lists in all_groups((dp, pp, tp), ("dp", "pp", "tp")).items()}
+    drawn = {"tp": set(), "pp": set(), "dp": set()}
+    kinds = {viz_layout.TP_COLOUR.lower(): "tp", viz_layout.PP_COLOUR.lower(): "pp"}
+    for ax, sq in zip(panels, squares):
+        for arrow in ax.patches:
+            if isinstance(arrow, FancyArrowPatch):
+                kind = kinds[matplotlib.colors.to_hex(arrow.get_edgecolor())]
+                (xa, ya), (xb, yb) = arrow._posA_posB
+                drawn[kind].add((_rank_at(sq, xa, ya), _rank_at(sq, xb, yb)))
+    for arc in fig.artists:
+        if isinstance(arc, ConnectionPatch):
+            a, b = panels.index(arc.axesA), panels.index(arc.axesB)
+            drawn["dp"].add((_rank_at(squares[a], *arc.xy1), _rank_at(squares[b], *arc.xy2)))
+    for kind, pairs in drawn.items():
+        for a, b in pairs:
+            assert a != b and any({a, b} <= g for g in groups[kind]), (
+                f"a {kind} arrow joins ranks {a} and {b}, which share no {kind} group")
+    coord = {r: (r // (pp * tp), r // tp % pp, r % tp) for r in range(dp * pp * tp)}
+    tp_pairs = {(r, r + 1) for r in coord if coord[r][2] < tp - 1}
+    pp_pairs = {(r, r + tp) for r in coord if coord[r][1] < pp - 1}
+    assert drawn["tp"] == tp_pairs and drawn["pp"] == pp_pairs
+    assert len(drawn["dp"]) == dp - 1
+    plt.close(fig)

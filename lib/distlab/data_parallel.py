@@ -314,6 +314,25 @@ def predict_step(timeline, step, world_size, link):
     return step + max(0.0, copied - copied_alone)
 
 
+def jitter_efficiency(world_size, spread):
+    """Scaling efficiency of a step whose N ranks each take (1 + spread·z) of the time, z drawn
+    independently from a standard normal, when every step waits for the slowest rank (§1 of
+    chapter 05b): 1 / (1 + spread · E[max of N normals]). An illustration of why the maximum of
+    many noisy step times grows with N; `spread` is an assumption, not a measurement.
+
+    E[max] = ∫ x · N·φ(x)·Φ(x)^(N−1) dx, integrated on a fine grid (no sampling: every machine
+    prints the same)."""
+    n = int(world_size)
+    if n < 1 or not 0 <= spread < 1:
+        raise ValueError(f"jitter_efficiency needs world_size >= 1 and 0 <= spread < 1, got "
+                         f"{world_size} and {spread}")
+    x = torch.linspace(-8, 8, 16001, dtype=torch.float64)
+    phi = torch.exp(-x * x / 2) / (2 * torch.pi) ** 0.5
+    cdf = 0.5 * (1 + torch.erf(x / 2 ** 0.5))
+    expected_max = torch.trapezoid(x * n * phi * cdf ** (n - 1), x).item()
+    return 1 / (1 + spread * expected_max)
+
+
 # ---- a real-size step on the meta device (chapter 05's performance lessons) ----------------------
 
 # GPT-3 XL's shape (Brown et al. 2020, "Language Models are Few-Shot Learners", table 2.1:

@@ -21,7 +21,8 @@ depend on the (dp, pp, tp) layout that wrote them:
   slice: tp times the bytes it needs.
 
 Keys: "model.<name>" (every parameter), "optim.<name>.exp_avg" / ".exp_avg_sq" and "optim.step"
-(Adam's state), "rng.<rank>" (every rank's CPU random generator), "meta" (step, losses, data
+(Adam's state), "rng.<rank>" (every rank's CPU random generator; "rng.<rank>.cuda" its GPU's, where
+there is one), "meta" (step, losses, data
 position, the model's configuration), and in the sharded format "layout" (the dp, pp, tp that
 wrote it).
 
@@ -44,3 +45,5 @@ from .reading import consolidate, load, mismatch, read, read_meta
 from .costs import (LLAMA3_DAYS, LLAMA3_GPUS, LLAMA3_INTERRUPTIONS, lost_fraction, mtbf_seconds,
                     save_costs, young_daly)
 from .resharding import reshard_problem
+# `stateful` (torch's get_state_dict and Stateful) is imported where it is used: it pulls in FSDP's
+# state-dict machinery, which distlab.train's torchrun workers do not need.

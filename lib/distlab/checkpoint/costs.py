@@ -47,16 +47,20 @@ def mtbf_seconds(gpus, interruptions=LLAMA3_INTERRUPTIONS, days=LLAMA3_DAYS,
 
 def young_daly(save_s, mtbf_s):
     """The checkpoint interval that loses the least time (Young 1974, Daly 2006, first order):
-    sqrt(2 · C · MTBF), C the time a save stops training."""
+    sqrt(2 · C · MTBF), C the time a save stops training. The restart time R does not move it
+    (each failure costs R whatever the interval): it only adds to the time lost."""
     _positive("young_daly", unit=" of seconds", save_s=save_s, mtbf_s=mtbf_s)
     return (2 * save_s * mtbf_s) ** 0.5
 
 
-def lost_fraction(interval_s, save_s, mtbf_s):
-    """The fraction of time lost at interval τ, to first order: C/τ spent saving, plus on
-    average τ/2 of work redone after each failure (one per MTBF)."""
+def lost_fraction(interval_s, save_s, mtbf_s, restart_s=0):
+    """The fraction of time lost at interval τ, to first order: C/τ spent saving, plus after
+    each failure (one per MTBF) on average τ/2 of work redone and R of restart — requeue,
+    process-group init, reading the checkpoint (Daly 2006's R):
+    C/τ + (τ/2 + R)/MTBF. With R = 0 it is a lower bound."""
     _positive("lost_fraction", unit=" of seconds", interval_s=interval_s, mtbf_s=mtbf_s)
-    if isinstance(save_s, bool) or not isinstance(save_s, Real) or save_s < 0:
-        raise ValueError(f"lost_fraction's save_s must be a number of seconds >= 0; got "
-                         f"{save_s!r}.")
-    return save_s / interval_s + interval_s / (2 * mtbf_s)
+    for name, value in (("save_s", save_s), ("restart_s", restart_s)):
+        if isinstance(value, bool) or not isinstance(value, Real) or value < 0:
+            raise ValueError(f"lost_fraction's {name} must be a number of seconds >= 0; got "
+                             f"{value!r}.")
+    return save_s / interval_s + (interval_s / 2 + restart_s) / mtbf_s

@@ -73,6 +73,8 @@ def _state(stage, mesh, optimizer, sharded, whole=False):
     if sharded:
         state["layout"] = torch.tensor([mesh.dp, mesh.pp, mesh.tp])
     state[f"rng.{dist.get_rank()}"] = torch.get_rng_state()
+    if torch.cuda.is_available():               # dropout on a GPU draws from its own generator
+        state[f"rng.{dist.get_rank()}.cuda"] = torch.cuda.get_rng_state()
     return state
 
 

@@ -60,8 +60,9 @@ def load(path, stage, mesh, optimizer=None):
     want = _state(stage, mesh, optimizer, sharded=True)    # DTensors over THIS run's layout:
     del want["layout"]                          # ... views of the tensors they fill in place
     rng = f"rng.{dist.get_rank()}"
-    if rng not in saved:                        # a run with more ranks than the saved one
-        del want[rng]
+    for key in (rng, rng + ".cuda"):           # more ranks than the saved run, or no GPU then
+        if key in want and key not in saved:
+            del want[key]
     if optimizer is not None:
         want["optim.step"] = torch.tensor(0)
     want["meta"] = ""
@@ -81,6 +82,8 @@ def load(path, stage, mesh, optimizer=None):
         optimizer.steps = int(want["optim.step"])
     if rng in want:    # another layout has other ranks: their streams start where these stopped
         torch.set_rng_state(want[rng])
+    if rng + ".cuda" in want:
+        torch.cuda.set_rng_state(want[rng + ".cuda"])
     meta = json.loads(want["meta"])
     meta["read_bytes"] = planner.read_bytes
     return meta
@@ -120,6 +123,8 @@ def _load_dense(path, stage, mesh, optimizer, saved):
     has_rng = rng in saved
     if has_rng:
         want[rng] = torch.get_rng_state()
+    if rng + ".cuda" in saved and torch.cuda.is_available():
+        want[rng + ".cuda"] = torch.cuda.get_rng_state()
     want["meta"] = ""
     planner = _counting_planner()
     try:
@@ -138,6 +143,8 @@ def _load_dense(path, stage, mesh, optimizer, saved):
         optimizer.steps = int(want["optim.step"])
     if has_rng:        # another layout has other ranks: their streams start where these stopped
         torch.set_rng_state(want[rng])
+    if rng + ".cuda" in want:
+        torch.cuda.set_rng_state(want[rng + ".cuda"])
     meta = json.loads(want["meta"])
     meta["read_bytes"] = planner.read_bytes
     return meta

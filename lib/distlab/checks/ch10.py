@@ -42,26 +42,31 @@ def check_unshard_column(fn):
 # ---- exercise 2: the loss over every real token, micro-batches of unequal length -----------------
 
 # (dp, pp, tp): tp copies of the loss on the last stage (dp != tp); an odd dp (a sum is not a
-# mean, the replicas weigh by their tokens); a middle stage (the value comes from the LAST one).
+# mean, the replicas weigh by their tokens); a middle stage (the value comes from the LAST one),
+# with fewer micro-batches than stages (m = 2 < p = 3), so no count of micro-batches is built in.
 LOSS_MESHES = ((1, 2, 2), (3, 1, 1), (1, 3, 1))
-N_MICRO = 3
 
 
-def _micro_batches(rank, d, last):
-    """(losses, tokens) a rank holds: on the last stage, each micro-batch's mean loss over its real
-    tokens and how many real tokens it had (padding makes them unequal, between micro-batches and
-    between replicas); elsewhere numbers that are not losses, which must not count."""
+def _n_micro(pp):
+    return 2 if pp >= 3 else 3
+
+
+def _micro_batches(rank, d, last, m=3):
+    """(losses, tokens) a rank holds, m micro-batches: on the last stage, each micro-batch's mean
+    loss over its real tokens and how many real tokens it had (padding makes them unequal,
+    between micro-batches and between replicas); elsewhere numbers that are not losses, which
+    must not count."""
     if not last:
-        return (torch.tensor([50.0 + rank, 60.0, 70.0], dtype=torch.float64),
-                torch.tensor([7, 1 + rank, 3]))
+        return (torch.tensor([50.0 + rank, 60.0, 70.0], dtype=torch.float64)[:m],
+                torch.tensor([7, 1 + rank, 3])[:m])
     losses = torch.tensor([2.0 + 0.5 * d, 3.25 - 0.25 * d, 1.5 + 0.125 * d], dtype=torch.float64)
     tokens = torch.tensor([[5, 16, 9], [12, 3, 16], [1, 8, 2]][d % 3])
-    return losses, tokens
+    return losses[:m], tokens[:m]
 
 
-def _token_means(dp):
+def _token_means(dp, m=3):
     """The right answer and the answers of three wrong rules, by what they compute."""
-    rows = [_micro_batches(0, d, True) for d in range(dp)]
+    rows = [_micro_batches(0, d, True, m) for d in range(dp)]
     weighted = sum(float((l * n).sum()) for l, n in rows)
     count = sum(int(n.sum()) for _, n in rows)
     replica_means = [float((l * n).sum()) / int(n.sum()) for l, n in rows]
@@ -75,7 +80,7 @@ def _token_means(dp):
 
 def _token_loss_on_mesh(rank, world_size, dp, pp, tp, fn):
     mesh = p3.Mesh3D(dp, pp, tp)
-    losses, tokens = _micro_batches(rank, mesh.d, mesh.p == pp - 1)
+    losses, tokens = _micro_batches(rank, mesh.d, mesh.p == pp - 1, _n_micro(pp))
     before = (losses.clone(), tokens.clone())
     with forbid(p3.global_loss, p3.train_step, _micro_batches, _token_means,
                 exercise="send the sums along the pp and dp groups yourself"):
@@ -92,8 +97,8 @@ def check_token_mean_loss(fn, meshes=LOSS_MESHES):
     batch, as a float, on every rank."""
     name = getattr(fn, "__name__", "token_mean_loss")
     for dp, pp, tp in meshes:
-        where = f"{name} on dp={dp} x pp={pp} x tp={tp}"
-        means = _token_means(dp)
+        where = f"{name} on dp={dp} x pp={pp} x tp={tp} ({_n_micro(pp)} micro-batches)"
+        means = _token_means(dp, _n_micro(pp))
         try:
             got = learner_run(_token_loss_on_mesh, dp * pp * tp, dp, pp, tp, fn, name=name,
                               timeout=60, hang_rule="every rank must call the same collectives "
@@ -122,7 +127,7 @@ def check_token_mean_loss(fn, meshes=LOSS_MESHES):
                                   f"reduce new tensors.")
     passed(f"{name} gives every rank the mean over every real token of the global batch on "
            f"meshes {sizes_phrase(['x'.join(map(str, s)) for s in meshes])}, micro-batches and "
-           f"replicas of unequal token counts.")
+           f"replicas of unequal token counts, fewer micro-batches than stages on 1x3x1.")
 
 
 # ---- exercise 3: one training step on a dp x pp x tp mesh you build ------------------------------
@@ -449,9 +454,12 @@ def check_step_3d(fn, meshes=STEP_MESHES):
 
 # (model, nodes, GPUs per node, global batch): the chapter's two cases, then clusters where a
 # constraint bites — 70B's fastest layouts do not fit; 4-GPU nodes cap tp at 4; GPT-2 XL's 25
-# heads leave tp = 1 on 8-GPU nodes; a batch of 24 rules out dp = 16.
+# heads leave tp = 1 on 8-GPU nodes; a batch of 24 rules out dp = 16; on 24 GPUs 80 layers rule
+# out pp = 3, 6 and 12 (equal stages), so the factor 3 goes to dp; on 48 GPUs GPT-3's 96 layers
+# allow pp = 6, which wins (a search over powers of two misses it).
 LAYOUT_CASES = [("Llama-2 13B", 4, 8, 512), ("Llama-2 70B", 4, 8, 512),
-                ("Llama-2 13B", 4, 4, 96), ("GPT-2 XL 1.5B", 2, 8, 64), ("Llama-2 7B", 2, 8, 24)]
+                ("Llama-2 13B", 4, 4, 96), ("GPT-2 XL 1.5B", 2, 8, 64), ("Llama-2 7B", 2, 8, 24),
+                ("Llama-2 70B", 3, 8, 96), ("GPT-3 175B", 6, 8, 96)]
 
 
 def _why_not(model, nodes, per_node, batch, choice):
@@ -478,7 +486,7 @@ def _why_not(model, nodes, per_node, batch, choice):
 
 def check_choose_layout(fn):
     """The learner's choose_layout(model, nodes, gpus_per_node, global_batch) against the
-    planner's own ranking, on five clusters."""
+    planner's own ranking, on the clusters of LAYOUT_CASES."""
     from .. import layout
     for model, nodes, per_node, batch in LAYOUT_CASES:
         where = f"{model} on {nodes} nodes × {per_node} GPUs (global batch {batch})"
@@ -505,5 +513,5 @@ def check_choose_layout(fn):
                           f"dp={want[0]} pp={want[1]} tp={want[2]} fits too and takes "
                           f"{best['step_s']:.2f} s — did you try every (dp, pp, tp) whose "
                           f"product is the GPU count?")
-    passed("choose_layout picks the planner's best layout on all five clusters: memory first, "
-           "then time, within tp's, pp's and dp's constraints.")
+    passed(f"choose_layout picks the planner's best layout on all {len(LAYOUT_CASES)} clusters: "
+           f"memory first, then time, within tp's, pp's and dp's constraints.")

@@ -112,3 +112,25 @@ def step_times(per_rank_ms, ax=None, title="step time per rank"):
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
+
+
+def construction_broadcast(ax, trace, link, rank=0):
+    """Bracket, on a trace timeline, the broadcasts a DDP constructor made from rank 0, and say
+    what they were: how many calls of how many bytes, how long they took, and what the same bytes
+    would cost as one broadcast on `link` (an emulate Link)."""
+    casts = trace.comm(rank, op="broadcast")
+    total = sum(e["bytes"] for e in casts)
+    mark_span(ax, trace, casts[0]["start"], casts[-1]["end"],
+              f"BucketedDDP(model): {len(casts)} × {casts[0]['op']} from rank 0, "
+              f"{total / 2**20:.1f} MiB", rank=rank)
+    blocked = ", ".join(f"rank {r} {sum(e['waited'] for e in trace.comm(r, op='broadcast')) * 1e6:.0f}"
+                        f" µs" for r in range(trace.world_size))
+    return "\n".join([
+        f"the first bar: {len(casts)} calls of {casts[0]['op']}, one per tensor, "
+        f"{min(e['bytes'] for e in casts):,} to {max(e['bytes'] for e in casts):,} bytes of "
+        f"{casts[0]['dtype']}; {total:,} bytes in all ({total / 2**20:.1f} MiB)",
+        f"from {casts[0]['start'] * 1e6:.0f} to {casts[-1]['end'] * 1e6:.0f} µs: "
+        f"{(casts[-1]['end'] - casts[0]['start']) * 1e6:.0f} µs; blocked in them: {blocked}",
+        f"the same bytes as one broadcast: "
+        f"{link.seconds('broadcast', total, trace.world_size) * 1e6:.0f} µs; the step's first "
+        f"all-reduce starts at {trace.comm(rank, op='all_reduce')[0]['start'] * 1e6:,.0f} µs"])

@@ -1,4 +1,6 @@
 """Which rank holds what on a (dp, pp, tp) mesh, who talks to whom, and where the nodes end."""
+from fractions import Fraction
+
 import matplotlib.pyplot as plt
 from matplotlib.patches import ConnectionPatch, FancyArrowPatch, Rectangle
 
@@ -51,7 +53,7 @@ def draw_layout(dp=2, pp=2, tp=2, n_layers=4, gpus_per_node=None):
         if gpus_per_node:
             _node_frames(ax, rows, d, pp, gpus_per_node)
         ax.set_xlim(-0.1, tp)
-        ax.set_ylim(-0.1, pp)
+        ax.set_ylim(-0.1, pp + (0.75 if dp > 1 else 0))   # headroom for the dp arc
         ax.set_aspect("equal")
         ax.set_xticks([t + 0.4 for t in range(tp)], [f"tp {t}" for t in range(tp)])
         ax.set_yticks([pp - 1 - p + 0.39 for p in range(pp)],
@@ -61,10 +63,7 @@ def draw_layout(dp=2, pp=2, tp=2, n_layers=4, gpus_per_node=None):
             s.set_visible(False)
         ax.set_title(f"replica dp={d}: batch part {d + 1} of {dp}", fontsize=10)
     for d in range(dp - 1):                     # dp all-reduce: the same (p, t) in the next replica
-        fig.add_artist(ConnectionPatch((tp - 0.2, pp - 0.61), (0, pp - 0.61), "data",
-                                       "data", axesA=axes[0][d], axesB=axes[0][d + 1],
-                                       arrowstyle="<|-|>", mutation_scale=9, color=DP_COLOUR,
-                                       lw=1.2, linestyle="--"))
+        _dp_arc(fig, axes[0][d], axes[0][d + 1], rows, d, pp)
     handles = [FancyArrowPatch((0, 0), (1, 0), color=c, arrowstyle="-|>")
                for c in (TP_COLOUR, PP_COLOUR, DP_COLOUR)[:2 + (dp > 1)]]
     names = ["tp all-reduce (every layer)", "pp send (every micro-batch)",
@@ -77,6 +76,57 @@ def draw_layout(dp=2, pp=2, tp=2, n_layers=4, gpus_per_node=None):
     fig.suptitle(f"{dp * pp * tp} ranks as dp={dp} × pp={pp} × tp={tp}", fontsize=11)
     fig.tight_layout(rect=(0, 0.15, 1, 1))
     return fig
+
+
+def draw_reshard(saved_tp=2, loaded=(4, 1), rows=8):
+    """DCP's load-time resharding of one column-parallel weight (split by rows): the chunks a
+    tp=`saved_tp` run wrote, and for each layout in `loaded` the rows each rank asks for — every
+    rank reads only the parts of the saved chunks its own shard overlaps."""
+    layouts = [saved_tp, *loaded]
+    fig, ax = plt.subplots(figsize=(8.5, 0.9 + 0.8 * len(layouts)))
+    writer = lambda r: r * saved_tp // rows                      # noqa: E731 (who wrote row r)
+    for k, tp in enumerate(layouts):
+        y = len(layouts) - 1 - k
+        per = rows // tp
+        for rank in range(tp):
+            lo, hi = rank * per, (rank + 1) * per
+            for r in range(lo, hi):                               # one coloured cell per row:
+                ax.add_patch(Rectangle((r, y + 0.15), 1, 0.6,    # the file it is read from
+                                       color=STAGE_COLOURS[writer(r)], alpha=0.85 if k else 1))
+            ax.add_patch(Rectangle((lo + 0.04, y + 0.15), per - 0.08, 0.6, fill=False, lw=2,
+                                   ec="black"))
+            files = sorted({writer(r) for r in range(lo, hi)})
+            share = Fraction(per * saved_tp, rows)               # of one saved chunk
+            what = (f"{share} of chunk {files[0]}" if share < 1 else
+                    "chunk " + " + ".join(map(str, files)))
+            said = f"rank {rank}: chunk {rank}" if k == 0 else f"rank {rank}:\n{what}"
+            ax.text((lo + hi) / 2, y + 0.45, said, ha="center", va="center", fontsize=8,
+                    color="white", fontweight="bold")
+        ax.text(-0.2, y + 0.45, f"saved by tp={tp}" if k == 0 else f"loaded as tp={tp}",
+                ha="right", va="center", fontsize=9)
+    ax.set_xlim(-2.6, rows + 0.1)
+    ax.set_ylim(0, len(layouts))
+    ax.set_xticks([r + 0.5 for r in range(rows)], [f"row {r}" for r in range(rows)], fontsize=7)
+    ax.set_yticks([])
+    for side in ax.spines.values():
+        side.set_visible(False)
+    ax.set_title(f"one column-parallel weight ({rows} rows): colour = the saved chunk a row is "
+                 f"read from", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _dp_arc(fig, ax_a, ax_b, rows, d, pp):
+    """The dp all-reduce of one rank position: from the top of stage 0, tp 0 in replica d over
+    to the same square in replica d + 1 (its dp peer), with the two ranks named."""
+    peer = {(rd, p, t): rank for rank, (rd, p, t), _ in rows}
+    top = pp - 1 + 0.78                         # stage 0's row, the top edge of its squares
+    fig.add_artist(ConnectionPatch((0.4, top), (0.4, top), "data", "data", axesA=ax_a,
+                                   axesB=ax_b, arrowstyle="<|-|>", mutation_scale=9,
+                                   color=DP_COLOUR, lw=1.2, linestyle="--",
+                                   connectionstyle="arc3,rad=-0.2"))
+    ax_a.text(0.4, top + 0.45, f"rank {peer[(d, 0, 0)]} ↔ rank {peer[(d + 1, 0, 0)]}", ha="left",
+              va="bottom", fontsize=8, color=DP_COLOUR)
 
 
 def _node_frames(ax, rows, d, pp, gpus_per_node):

@@ -9,43 +9,46 @@ count travels in the same flat tensor as the gradients), so the latency is paid 
 
 Judged per step and rank: exactly one all-reduce; it carried the gradients (their values, not a
 decoy of the right size: `_wire`); every gradient equals one process's on the whole batch
-(float64); an equal-weight mean of the ranks' means is named as such.
+(float64); an equal-weight mean of the ranks' means, and a total count fixed in advance, are
+named as such. The global batch differs from step to step and between world sizes (12, 11, 13
+and 10 samples), so no constant total passes.
 """
 import torch
 import torch.nn.functional as F
 
 from .. import CheckFailed, passed, run_learner, sizes_phrase
-from ._common import GLOBAL_BATCH, STEPS, _compare_step, _data, _forbidden, _model, _names, \
-    _reference, refuse_too
+from ._common import STEPS, _compare_step, _data, _forbidden, _model, _names, refuse_too
 from ._wire import Handles, Wire, delivered, missing_gradient, never_waited_sentence
 
-# Rank r holds SHARDS[N][r] consecutive samples of each global batch of 12: unequal on purpose.
-SHARDS = {2: (5, 7), 3: (2, 4, 6), 4: (1, 2, 4, 5)}
+# Rank r holds SHARDS[N][s][r] consecutive samples of global batch s: unequal on purpose, and
+# each global batch of another size (12, 11, 13, 10, ...), so that no constant total passes.
+SHARDS = {2: ((5, 7), (3, 8)), 3: ((2, 4, 7), (6, 1, 3)), 4: ((1, 2, 4, 6), (3, 3, 1, 4))}
 
 
-def _slices(world_size):
-    sizes = SHARDS[world_size]
-    starts = [sum(sizes[:r]) for r in range(world_size)]
+def _slices(world_size, step):
+    """(lo, hi) of every rank's samples in the data, at this step."""
+    start = sum(sum(sizes) for sizes in SHARDS[world_size][:step])
+    sizes = SHARDS[world_size][step]
+    starts = [start + sum(sizes[:r]) for r in range(world_size)]
     return [(lo, lo + n) for lo, n in zip(starts, sizes)]
 
 
-def _shard_gradients(world_size):
-    """Per step, the gradient of each rank's own mean loss (the weights after every step are the
-    single-process ones, which every correct answer follows)."""
+def _reference_uneven(world_size):
+    """Per step: every rank's gradient of its own mean loss, and one process's gradient of the
+    mean over the whole global batch (SGD follows the latter, as every correct answer does)."""
     model, (x, y) = _model(), _data()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    steps = []
+    shards, whole = [], []
     for s in range(STEPS):
-        xb, yb = (t[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH] for t in (x, y))
-        per_rank = []
-        for lo, hi in _slices(world_size):
-            per_rank.append(torch.autograd.grad(F.mse_loss(model(xb[lo:hi]), yb[lo:hi]),
-                                                list(model.parameters())))
-        steps.append(per_rank)
+        slices = _slices(world_size, s)
+        shards.append([torch.autograd.grad(F.mse_loss(model(x[lo:hi]), y[lo:hi]),
+                                           list(model.parameters())) for lo, hi in slices])
+        lo, hi = slices[0][0], slices[-1][1]
         opt.zero_grad()
-        F.mse_loss(model(xb), yb).backward()
+        F.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
+        whole.append([p.grad.clone() for p in model.parameters()])
         opt.step()
-    return steps
+    return shards, whole
 
 
 def check_uneven_average(fn, world_sizes=(2, 3)):
@@ -56,12 +59,12 @@ def check_uneven_average(fn, world_sizes=(2, 3)):
         from .. import forbid
         events = _tracer._active.events
         model, (x, y) = _model(), _data()
-        lo, hi = _slices(world_size)[rank]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         log = []
         with Wire() as wire, Handles():
             for s in range(STEPS):
-                xb, yb = (t[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH][lo:hi] for t in (x, y))
+                lo, hi = _slices(world_size, s)[rank]
+                xb, yb = x[lo:hi], y[lo:hi]
                 opt.zero_grad()
                 F.mse_loss(model(xb), yb).backward()
                 start, mark = len(events), wire.mark()
@@ -77,17 +80,15 @@ def check_uneven_average(fn, world_sizes=(2, 3)):
                 opt.step()
         return log
 
-    expected, _ = _reference()
     names = _names()
     for ws in world_sizes:
         got = run_learner(learner, ws, name=getattr(fn, "__name__", "average_uneven"),
                           timeout=60, trace=True)
-        shards = _shard_gradients(ws)
-        counts = SHARDS[ws]
+        shards, expected = _reference_uneven(ws)
         for s in range(STEPS):
             for rank in range(ws):
-                _judge_uneven_step(got[rank][s], expected[s], shards[s], counts, ws, rank, s,
-                                   names)
+                _judge_uneven_step(got[rank][s], expected[s], shards[s], SHARDS[ws][s], ws,
+                                   rank, s, names)
             carried = missing_gradient(delivered([got[r][s]["sent"] for r in range(ws)]),
                                        expected[s], names)
             if carried:
@@ -96,10 +97,12 @@ def check_uneven_average(fn, world_sizes=(2, 3)):
                     f"but what the all-reduce delivered does not hold the gradient of {carried} "
                     f"(times any factor): it must carry the ranks' own gradients — a decoy "
                     f"all-reduce, with the gradient computed some other way, does not count.")
+    batches = [sum(sizes) for ws in world_sizes for sizes in SHARDS[ws]]
     passed(f"{getattr(fn, '__name__', 'average_uneven')} gives every rank the gradient of the "
-           f"whole batch from shards of {' / '.join(map(str, SHARDS[world_sizes[-1]]))} samples, "
-           f"in one all-reduce per step that carries the gradients ({sizes_phrase(world_sizes)} "
-           f"ranks, {STEPS} steps).")
+           f"whole batch from unequal shards (global batches of "
+           f"{', '.join(map(str, batches[:-1]))} and {batches[-1]} samples), in one all-reduce "
+           f"per step that carries the gradients ({sizes_phrase(world_sizes)} ranks, "
+           f"{STEPS} steps).")
 
 
 def _judge_uneven_step(step, expected, shards, counts, ws, rank, s, names):
@@ -131,7 +134,16 @@ def _judge_uneven_step(step, expected, shards, counts, ws, rank, s, names):
             f"weighted the same, but rank 0 holds {counts[0]} samples and rank {ws - 1} holds "
             f"{counts[-1]}: weight each rank's gradient by its sample count and divide by the "
             f"total count ({sum(counts)}), which only the all-reduce knows.")
+    for total in {sum(counts) + d for d in (-2, -1, 1, 2)}:     # a count that is off
+        scaled = [e * sum(counts) / total for e in expected]
+        if all(isinstance(g, torch.Tensor) and torch.allclose(g, e, rtol=1e-9, atol=1e-12)
+               for g, e in zip(got, scaled)):
+            raise CheckFailed(
+                f"{where}: every gradient is the count-weighted sum divided by {total}, but this "
+                f"step's global batch holds {sum(counts)} samples (the batches differ from step "
+                f"to step): divide by the total count the all-reduce delivers, not a number "
+                f"fixed in advance.")
     _compare_step(got, expected, "the gradient", ws, rank, names, s)
 
 
-refuse_too(_shard_gradients)
+refuse_too(_reference_uneven)

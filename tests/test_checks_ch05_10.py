@@ -1,0 +1,286 @@
+"""Every checker of workbooks 05 and 10 through the battery (issue 44, tests/checker_battery.py):
+it accepts the workbook's solution and one written another way, and refuses a wrong answer, a
+cheat and a decoy (numbers right on the obvious case, algorithm wrong), each in one sentence.
+
+The candidates live beside each exercise's older tests (tests/test_ch05.py, tests/test_ch10.py),
+which keep the words each refusal must contain; the batteries here replace their accept/reject
+runs, so no checker runs twice. Accepted answers run at two world sizes or meshes; a refusal
+needs one. Damage is never only on rank 0: some candidates break only the last rank, or two
+middle ranks, so a checker that looked at rank 0 alone would pass them.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from checker_battery import battery
+from distlab.checks import ch05, ch10
+
+import test_ch05 as t05
+import test_ch10 as t10
+
+
+def _said(said, kind, *words):
+    """Every word appears in the refusal of the `kind` candidates, in order of the candidates."""
+    for sentence, expected in zip(said[kind], words):
+        for w in (expected if isinstance(expected, tuple) else (expected,)):
+            assert w in sentence, sentence
+
+
+def _with(**kwargs):
+    return lambda check, fn: check(fn, **kwargs)
+
+
+# ---- workbook 05 ---------------------------------------------------------------------------------
+
+def test_battery_uneven_average():
+    accepted = battery(ch05.check_uneven_average, correct=[t05.uneven_one_message],
+                       different=[t05.uneven_avg_count_first], call=_with(world_sizes=(2, 3)),
+                       require=("correct", "different"))
+    assert "global batches of 12, 11, 13 and 10 samples" in accepted["correct"][0]
+    said = battery(ch05.check_uneven_average,
+                   wrong=[t05.uneven_equal_weights, t05.uneven_two_messages],
+                   cheat=[t05.uneven_by_chapter_11, t05.uneven_decoy],
+                   decoy=[t05.uneven_divides_by_twelve],
+                   call=_with(world_sizes=(2,)), require=("wrong", "cheat", "decoy"))
+    _said(said, "wrong", "each rank weighted the same", "made 2 all_reduce calls")
+    _said(said, "cheat", ("average_gradients", "the exercise is to"), "decoy")
+    _said(said, "decoy", ("step 1", "divided by 12", "holds 11 samples"))
+    last = battery(ch05.check_uneven_average, wrong=[t05.uneven_last_rank_keeps_its_own],
+                   call=_with(world_sizes=(3,)), require=("wrong",))
+    _said(last, "wrong", "rank 2")
+
+
+def average_by_two(model):
+    """A decoy: the sum divided by 2, a world size known in advance (right on 2 ranks)."""
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= 2
+
+
+def average_plain(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def test_battery_average_gradients():
+    battery(ch05.check_average_gradients, correct=[average_plain],
+            different=[t05.average_with_imported_avg], decoy=[average_by_two],
+            call=_with(world_sizes=(2, 3)), require=("correct", "different", "decoy"))
+    said = battery(ch05.check_average_gradients, wrong=[t05.average_summed],
+                   cheat=[t05.average_by_the_course], call=_with(world_sizes=(2,)),
+                   require=("wrong", "cheat"))
+    _said(said, "wrong", "SUM")
+    _said(said, "cheat", "the exercise is to")
+
+
+def attach_bucket_hooks(model, buckets, world_size):
+    """The workbook's solution."""
+    pending = [set() for _ in buckets]
+    in_flight = {}
+
+    def hook(p, i):
+        if not pending[i]:
+            pending[i] = {id(q) for q in buckets[i]}
+        pending[i].discard(id(p))
+        if not pending[i]:
+            flat = torch.cat([q.grad.reshape(-1) for q in buckets[i]]) / world_size
+            in_flight[i] = (flat, dist.all_reduce(flat, async_op=True))
+
+    for i, bucket in enumerate(buckets):
+        for p in bucket:
+            p.register_post_accumulate_grad_hook(lambda p, i=i: hook(p, i))
+
+    def finish():
+        for i, bucket in enumerate(buckets):
+            flat, work = in_flight.pop(i)
+            work.wait()
+            for p, g in zip(bucket, flat.split([q.numel() for q in bucket])):
+                p.grad.copy_(g.view_as(p.grad))
+    return finish
+
+
+def test_battery_bucketed_hooks():
+    battery(ch05.check_bucketed_hooks, correct=[attach_bucket_hooks],
+            different=[t05.buckets_imported_avg, t05.buckets_one_in_flight,
+                       t05.buckets_waited_by_future],
+            call=_with(world_sizes=(2, 3)), require=("correct", "different"))
+    said = battery(ch05.check_bucketed_hooks,
+                   wrong=[t05.buckets_never_waited, t05.buckets_per_tensor,
+                          t05.buckets_slightly_off],
+                   cheat=[t05.buckets_by_the_course, t05.buckets_by_torch_ddp],
+                   decoy=[t05.buckets_at_the_end, t05.buckets_one_late],
+                   call=_with(world_sizes=(2,)), require=("wrong", "cheat", "decoy"))
+    _said(said, "wrong", "work.wait()", "one per bucket", "expected")
+    _said(said, "cheat", "BucketedDDP", "C++")
+    _said(said, "decoy", "nothing overlaps", "first gradient of bucket 1")
+
+
+def test_battery_resume_indices():
+    said = battery(ch05.check_resume_indices, correct=[t05.resume_by_permutation],
+                   different=[t05.resume_with_samplers],
+                   wrong=[t05.resume_from_scratch, t05.resume_ignoring_the_epoch,
+                          t05.resume_unpadded],
+                   cheat=[t05.resume_by_the_checker],
+                   decoy=[t05.resume_per_old_rank, t05.resume_blocks])
+    _said(said, "wrong", "read twice", "seed plus the epoch", "pad by repeating")
+    _said(said, "cheat", "the exercise is to")
+    _said(said, "decoy", "had already read", "positions r, r + 3, r + 6")
+
+
+def test_battery_scaled_training():
+    said = battery(ch05.check_scaled_training, correct=[t05.scaled_correct],
+                   different=[t05.scaled_with_torch_ddp],
+                   wrong=[t05.scaled_lr_unchanged, t05.scaled_summed,
+                          t05.scaled_whole_batch_everywhere],
+                   cheat=[t05.scaled_by_the_course, t05.scaled_decoy],
+                   decoy=[t05.scaled_every_slice_loss_reduced])
+    _said(said, "wrong", "linear scaling gives lr 0.1", "divide by the world size",
+          "per_rank_batch=4")
+    _said(said, "cheat", "the exercise is to", "of zeros")
+    _said(said, "decoy", "its own slice")
+
+
+def test_battery_my_ddp():
+    battery(ch05.check_my_ddp, correct=[t05.DDPPerParam], different=[t05.DDPOneBucket],
+            call=_with(world_sizes=(2, 3)), require=("correct", "different"))
+    said = battery(ch05.check_my_ddp, wrong=[t05.DDPNoBroadcast],
+                   cheat=[t05.DDPCourse, t05.DDPChapter11, t05.DDPTorch],
+                   decoy=[t05.DDPSyncsAlways], call=_with(world_sizes=(3,)),
+                   require=("wrong", "cheat", "decoy"))
+    _said(said, "wrong", "broadcast rank 0's parameters")
+    _said(said, "cheat", "BucketedDDP", "broadcast_parameters", "C++")
+    _said(said, "decoy", "inside no_sync()")
+
+
+def test_battery_ddp_script():
+    said = battery(ch05.check_ddp_script, correct=[t05.script_fixed],
+                   different=[t05.script_by_hand],
+                   wrong=[t05.script_local_rank_sampler, t05.script_no_set_epoch,
+                          t05.script_local_mean],
+                   cheat=[t05.script_without_ddp, t05.script_by_the_checker],
+                   decoy=[t05.script_global_count_without_world_size,
+                          t05.script_prints_on_local_rank_0, t05.script_saves_on_local_rank_0])
+    _said(said, "wrong", "global rank (RANK)", "set_epoch", "global token count")
+    _said(said, "cheat", "DistributedDataParallel", "the exercise is to")
+    _said(said, "decoy", "multiply the loss", "ranks 0 and 2 printed",
+          "ranks 0 and 2 wrote the checkpoint")
+
+
+def test_battery_step_prediction():
+    said = battery(ch05.check_step_prediction, correct=[t05.predict_by_two_clocks],
+                   different=[t05.predict_by_recursion],
+                   wrong=[t05.predict_without_latency, t05.predict_ring_n_minus_1,
+                          t05.predict_bytes_once, t05.predict_parallel_buckets,
+                          t05.predict_without_copies],
+                   cheat=[t05.predict_by_the_course], decoy=[t05.predict_no_overlap])
+    _said(said, "wrong", "latency term", "per-step term", "bandwidth term",
+          "one bucket at a time on the link", "the copies back into p.grad")
+    _said(said, "cheat", "the exercise is to")
+    _said(said, "decoy", "all buckets but the last overlap backward")
+
+
+# ---- workbook 10 ---------------------------------------------------------------------------------
+
+def unshard_ranks_reversed(shards, chunks):
+    """Wrong: the right interleaving, the ranks in reverse order."""
+    return t10.unshard_column(shards[::-1], chunks)
+
+
+def test_battery_unshard_column():
+    said = battery(ch10.check_unshard_column, correct=[t10.unshard_column],
+                   different=[t10.unshard_column_by_index], wrong=[unshard_ranks_reversed],
+                   cheat=[lambda shards, chunks: ch10._reference_unshard(shards, chunks)],
+                   decoy=[lambda shards, chunks: torch.cat(shards)])   # right when chunks = 1
+    _said(said, "cheat", "course's own _reference_unshard")
+    _said(said, "decoy", "2 shards of 3 stacked matrices")
+
+
+def token_mean_three_micro_batches(losses, tokens, mesh):
+    """A decoy: the right sums, over a count of micro-batches fixed at 3 (the count the pipeline
+    of two stages uses): fewer micro-batches than stages breaks it."""
+    last = mesh.p == mesh.pp - 1
+    pair = torch.zeros(2, dtype=torch.float64)
+    if last:
+        for j in range(3):
+            pair += torch.stack([losses[j] * tokens[j], tokens[j].double()])
+    dist.all_reduce(pair, group=mesh.get_group("pp"))
+    dist.all_reduce(pair, group=mesh.get_group("dp"))
+    return (pair[0] / pair[1]).item()
+
+
+def test_battery_token_mean_loss():
+    battery(ch10.check_token_mean_loss, correct=[t10.token_mean_loss],
+            different=[t10.token_mean_loss_broadcast], call=_with(meshes=((1, 2, 2), (1, 3, 1))),
+            require=("correct", "different"))
+    said = battery(ch10.check_token_mean_loss,
+                   wrong=[t10.token_mean_by_replica, t10.token_mean_in_place],
+                   cheat=[lambda losses, tokens, mesh: p3_global_loss(losses, tokens, mesh)],
+                   decoy=[t10.token_mean_of_means], call=_with(meshes=((2, 1, 1),)),
+                   require=("wrong", "cheat", "decoy"))
+    _said(said, "wrong", "every replica weighs the same", "in place")
+    _said(said, "cheat", "course's own global_loss")
+    _said(said, "decoy", "every micro-batch weighs the same")
+    middle = battery(ch10.check_token_mean_loss,
+                     wrong=[t10.token_mean_every_stage, token_mean_three_micro_batches],
+                     call=_with(meshes=((1, 3, 1),)), require=("wrong",))
+    _said(middle, "wrong", "only the last stage's numbers are losses", "2 micro-batches")
+
+
+def p3_global_loss(losses, tokens, mesh):
+    from distlab import parallel3d as p3
+    return p3.global_loss((losses * tokens).sum() / tokens.sum(), mesh)
+
+
+def test_battery_step_3d():
+    battery(ch10.check_step_3d, correct=[t10.step_3d], different=[t10.step_3d_device_mesh],
+            call=_with(meshes=((2, 2, 1), (1, 3, 2))), require=("correct", "different"))
+    said = battery(ch10.check_step_3d,
+                   wrong=[t10.step_3d_dp_fastest, t10.step_3d_lr_over_dp],
+                   cheat=[t10.step_3d_with_the_course, t10.step_3d_dense_with_decoys],
+                   decoy=[t10.step_3d_whole_batch], call=_with(meshes=((2, 2, 1),)),
+                   require=("wrong", "cheat", "decoy"))
+    _said(said, "wrong", "rank 2", "SUM over the dp group")
+    _said(said, "cheat", "course's own Mesh3D", "not its stage's output")
+    _said(said, "decoy", "its replica's part of the batch")
+    # damage on one rank that is not rank 0, and on two middle-stage ranks at once
+    one = battery(ch10.check_step_3d, wrong=[t10.step_3d_damaged_on_2],
+                  call=_with(meshes=((2, 2, 1),)), require=("wrong",))
+    _said(one, "wrong", "rank 2")
+    two = battery(ch10.check_step_3d, wrong=[t10.step_3d_damaged_on_2_and_3],
+                  call=_with(meshes=((1, 3, 2),)), require=("wrong",))
+    _said(two, "wrong", "rank 2")
+
+
+def choose_layout_powers_of_two(model, nodes, gpus_per_node, global_batch):
+    """A decoy: every rule applied, but only powers of two tried for pp and tp — right on every
+    cluster of 2^k GPUs, blind to pp = 3 or 6."""
+    from distlab import layout
+    shape = layout.SHAPES[model]
+    n = nodes * gpus_per_node
+    best = None
+    for tp in (1, 2, 4, 8, 16):
+        for pp in (1, 2, 4, 8, 16, 32, 64):
+            if n % (tp * pp) or gpus_per_node % tp or shape.heads % tp or shape.layers % pp:
+                continue
+            dp = n // (tp * pp)
+            if global_batch % dp:
+                continue
+            r = layout.price(model, dp, pp, tp, gpus_per_node, global_batch)
+            key = (not r["fits"], r["step_s"])           # what fits first, then the fastest
+            if best is None or key < best[0]:
+                best = (key, (dp, pp, tp))
+    return best[1]
+
+
+def test_battery_choose_layout():
+    said = battery(ch10.check_choose_layout, correct=[t10.choose_layout],
+                   different=[t10.choose_layout_by_product],
+                   wrong=[t10.choose_layout_fastest, t10.choose_layout_any_batch],
+                   cheat=[lambda model, nodes, g, b: tuple(
+                       t10.distlab_layout().best(model, nodes=nodes, gpus_per_node=g,
+                                                 global_batch=b)[k] for k in ("dp", "pp", "tp"))],
+                   decoy=[choose_layout_powers_of_two])
+    _said(said, "wrong", "more than a GPU's 80 GB", "dp=16 does not split a global batch of 24")
+    _said(said, "cheat", "course's own best")
+    _said(said, "decoy", "on 6 nodes")
