@@ -55,7 +55,7 @@ def ring_schedule(world_size=4):
                                            alpha=0.45 if home else 1.0))
                 label = (f"dK/dV {owner}\nhome" if home else
                          f"K/V {owner}" + ("\n+ dK/dV" if backward else ""))
-                ax.text(s + 0.46, -r + 0.42, label, ha="center", va="center", fontsize=7,
+                ax.text(s + 0.46, -r + 0.42, label, ha="center", va="center", fontsize=8,
                         color="black" if home else "white")
         for r in range(n):
             ax.text(-0.15, -r + 0.42, f"rank {r}", ha="right", va="center", fontsize=8)

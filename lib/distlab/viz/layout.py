@@ -106,7 +106,7 @@ def draw_reshard(saved_tp=2, loaded=(4, 1), rows=8):
                 ha="right", va="center", fontsize=9)
     ax.set_xlim(-2.6, rows + 0.1)
     ax.set_ylim(0, len(layouts))
-    ax.set_xticks([r + 0.5 for r in range(rows)], [f"row {r}" for r in range(rows)], fontsize=7)
+    ax.set_xticks([r + 0.5 for r in range(rows)], [f"row {r}" for r in range(rows)], fontsize=8)
     ax.set_yticks([])
     for side in ax.spines.values():
         side.set_visible(False)

@@ -211,7 +211,7 @@ def token_permutation(experts_per_rank, keep_per_rank, n_experts, title=None):
     def box(x, y, e, label, dropped=False):
         ax.add_patch(plt.Rectangle((x, -y - 0.9), 1.0, 0.85, color=expert_color(e),
                                    alpha=0.35 if dropped else 1.0))
-        ax.text(x + 0.5, -y - 0.48, label, ha="center", va="center", fontsize=7,
+        ax.text(x + 0.5, -y - 0.48, label, ha="center", va="center", fontsize=8,
                 color="black" if dropped else "white")
 
     sent_y = {}
