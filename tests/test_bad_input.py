@@ -11,7 +11,6 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import distlab
@@ -22,7 +21,8 @@ from distlab import mesh as M
 from distlab import sharding as S
 from distlab.launch import _check_arguments
 
-WORLD = 4   # the fake process group's size
+from bad_input_tables import (WORLD, assert_refused_in_one_sentence,  # noqa: F401
+                              fake_world, params)
 
 
 def hello(rank, world_size):
@@ -133,29 +133,9 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def fake_world():
-    """torch's fake process group: collectives return at once and move nothing."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("call,error,words,needs_group",
-                         [pytest.param(*row[1:], id=row[0]) for row in CASES])
+@pytest.mark.parametrize("call,error,words,needs_group", params(CASES))
 def test_bad_input_is_refused_in_one_sentence(request, call, error, words, needs_group):
-    if needs_group:
-        request.getfixturevalue("fake_world")
-    with pytest.raises((ValueError, TypeError)) as caught:
-        call()
-    assert type(caught.value) is error, f"{type(caught.value).__name__}: {caught.value}"
-    message = str(caught.value)
-    assert "\n" not in message.strip(), f"more than one line: {message!r}"
-    for word in words:
-        assert word.lower() in message.lower(), f"{word!r} not in {message!r}"
+    assert_refused_in_one_sentence(request, call, error, words, needs_group)
 
 
 def test_a_lambda_is_a_function_too():
