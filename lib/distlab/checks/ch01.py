@@ -58,14 +58,16 @@ def object_collectives():
 
 
 @contextlib.contextmanager
-def no_object_collectives(exercise):
+def no_object_collectives(exercise=None, functions=None, reason=None):
     """Inside a rank: torch's object collectives raise UsedCourseCode with a sentence. They pickle
     each object into a byte tensor and share its length first: the very work `exercise` asks for
-    (chapters 01 and 02), done for any Python object."""
+    (chapters 01 and 02), done for any Python object. `functions`: which of them (default: all);
+    `reason(fn)`: the sentence, where another chapter refuses them for another reason."""
     saved = []
-    for fn in object_collectives():
-        message = (f"your function used dist.{fn.__name__}, which pickles the object and shares "
-                   f"its length for you; the exercise is to {exercise}.")
+    for fn in functions or object_collectives():
+        message = reason(fn) if reason else (
+            f"your function used dist.{fn.__name__}, which pickles the object and shares its "
+            f"length for you; the exercise is to {exercise}.")
         saved.append((fn, fn.__code__))
         fn.__code__ = _refusing_code(message, fn.__code__.co_freevars)
     try:

@@ -19,8 +19,8 @@ from .. import trace as _trace
 from ..debug_parallel import PIPE_WIDTH, SP_DIMS, pipe_stage as _pipe_stage, sp_data as _sp_data
 from ..debug_parallel import sp_block_without_ln_sum as _sp_block_without_ln_sync
 from ..launch import RankFailed, RunTimeout
-from . import CheckFailed, _refusing_code, compare, forbid, passed, run_learner, sizes_phrase
-from .ch01 import learner_run
+from . import CheckFailed, compare, forbid, passed, run_learner, sizes_phrase
+from .ch01 import learner_run, no_object_collectives
 
 WORLD_SIZES = (2, 3)       # even and odd: what a fix must survive; 4 catches nothing 3 misses
 TIMEOUT = 60
@@ -44,25 +44,17 @@ def _refused(exercise, *helpers):
         yield
 
 
-@contextlib.contextmanager
 def _no_object_collectives():
     """torch's object collectives (all_gather_object, gather_object, broadcast_object_list,
     scatter_object_list) refused inside a rank: they pickle Python objects, send them as byte
     tensors and unpickle them, with a host sync each; what travelled is then a pickle, not the
     tensors the exercise is about, and no trace can say what it held."""
-    saved = []
-    for fn in (dist.all_gather_object, dist.gather_object, dist.broadcast_object_list,
-               dist.scatter_object_list):
-        message = (f"your function used dist.{fn.__name__}, which pickles Python objects into "
-                   f"byte tensors; send the tensors themselves with tensor collectives "
-                   f"(all_reduce, all_gather, broadcast).")
-        saved.append((fn, fn.__code__))
-        fn.__code__ = _refusing_code(message, fn.__code__.co_freevars)
-    try:
-        yield
-    finally:
-        for fn, code in saved:
-            fn.__code__ = code
+    return no_object_collectives(
+        functions=(dist.all_gather_object, dist.gather_object, dist.broadcast_object_list,
+                   dist.scatter_object_list),
+        reason=lambda fn: (f"your function used dist.{fn.__name__}, which pickles Python objects "
+                           f"into byte tensors; send the tensors themselves with tensor "
+                           f"collectives (all_reduce, all_gather, broadcast)."))
 
 
 def _run(fn, world_size, name, *args, **kwargs):
