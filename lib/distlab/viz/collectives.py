@@ -218,24 +218,31 @@ def _size_label(nbytes):
 def cost_curves(sizes, curves, points=(), ax=None, title=None, bottom_us=1.0):
     """A collective's time against its size, log-log: one line per model in `curves`
     ({label: [seconds for each size]}), published measurements as points [(label, bytes,
-    seconds)]. The flat start is the latency floor, the slope of 1 the bandwidth regime; the
-    time axis starts at `bottom_us` (a lower bound of a few bytes is far below any floor)."""
+    seconds)]; points with the same label (one source) share a marker and one legend entry, and
+    the legend sits under the axes, clear of the data. The flat start is the latency floor, the
+    slope of 1 the bandwidth regime; the time axis starts at `bottom_us` (a lower bound of a few
+    bytes is far below any floor)."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
     styles = ["-", "--", ":", "-."]
     for i, (label, seconds) in enumerate(curves.items()):
         ax.loglog(sizes, [t * 1e6 for t in seconds], styles[i % len(styles)], lw=2,
                   label=label)
-    for i, (label, nbytes, seconds) in enumerate(points):
-        ax.loglog([nbytes], [seconds * 1e6], "o^sD"[i % 4], ms=8, color="black",
-                  markerfacecolor="none" if "calibration" in label else "black", label=label)
+    groups = {}
+    for label, nbytes, seconds in points:
+        groups.setdefault(label, []).append((nbytes, seconds * 1e6))
+    for i, (label, xy) in enumerate(groups.items()):
+        ax.loglog([x for x, _ in xy], [y for _, y in xy], "o^sDvPX"[i % 7], ms=8, color="black",
+                  linestyle="none", label=label,
+                  markerfacecolor="none" if "calibration" in label else "black")
     ticks = [s for s in sizes if math.log2(s) % 6 == 3]          # 8 B, 512 B, 32 KiB, ...
     ax.set_xticks(ticks, [_size_label(s) for s in ticks])
     ax.set_xlabel("bytes per rank")
     ax.set_ylabel("µs")
     ax.set_ylim(bottom=bottom_us)
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1,
+              frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     return ax
