@@ -62,11 +62,11 @@ def test_forbid_refuses_a_reloaded_module_in_a_rank():
 
 def test_forbid_refuses_checker_helpers_when_the_learner_calls_them():
     with pytest.raises(UsedCourseCode, match=r"checker's own _pipe_expected \(distlab/checks/"
-                                             r"ch11.py\), which builds the answer"):
+                                             r"ch11/pipeline.py\), which builds the answer"):
         with forbid():
             ch11._pipe_expected(0, 2)
     # The checker's own code may use its helpers inside the block: here a line compiled as if it
-    # stood in ch11.py.
+    # stood in the checker's package (ch11/).
     checker_line = compile("ch11._pipe_expected(0, 2)", ch11.__file__, "eval")
     loss, _ = ch11._pipe_expected(0, 2)
     with forbid():
