@@ -13,8 +13,9 @@ _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>\S
 _TORCH_DIR = None
 _STDLIB = os.path.normcase(sysconfig.get_paths()["stdlib"])
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_LAUNCHER_FILES = {os.path.join(_HERE, f) for f in ("_worker.py", "launch.py", "_supervise.py",
-                                                    "_payload.py", "_explain.py")}
+_LAUNCHER_FILES = {os.path.join(_HERE, *f.split("/")) for f in (
+    "_worker.py", "launch.py", "_supervise/__init__.py", "_supervise/starting.py",
+    "_supervise/one_launch.py", "_payload.py", "_explain.py")}
 
 
 def parse_threads(text):
