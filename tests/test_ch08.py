@@ -431,6 +431,8 @@ def test_real_size_bubble_numbers_the_prose_quotes():
     assert f"**The formula assumes I = F: × {report / unit:.2f}.**" in text
     assert f"Here I = {t_i / t_f:.2f} F, and the formula is {100 * (report / unit - 1):.0f} % " \
            f"above the simulator" in text
+    # the back-to-back discussion (08b, section 1) quotes the same block's ratios
+    assert f"with chapter 08's 7B-block times (I = {t_i / t_f:.2f} F, W = {t_w / t_f:.2f} F)" in text
     # with I = F the formula is the simulator's, pairs as units
     same = dict(t_f=t_f, t_b=t_f + t_w, t_w=t_w, t_fb=2 * t_f + t_w)
     at_i_f = max(e["end"] for e in ps.simulate(v, M, **same)) - M * (2 * t_f + t_w)
@@ -472,17 +474,26 @@ def test_v_schedule_prose_numbers():
 
 
 def test_zb_v_authors_zero_and_section_6_prose_numbers():
-    """ZB-V's 0 against one step, m < p, looped BFS and ZeRO-3's gathers: every number the prose
-    quotes, recomputed (no launch); the back-to-back table's rows are the stored outputs."""
+    """ZB-V's 0 against one step, m < p, looped BFS and ZeRO-3's gathers (chapter 08b, sections 1
+    and 3): every number the prose quotes, recomputed (no launch); the back-to-back table's rows
+    are 08b's stored outputs, and the 7B block's times 08b prints are the ones chapter 08 prints."""
     import pathlib
     import re
 
     import nbformat
-    path = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "08_pipeline_parallel.ipynb"
-    cells = nbformat.read(path, as_version=4).cells
+    root = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+
+    def stored_outputs(name):
+        cells = nbformat.read(root / f"{name}.ipynb", as_version=4).cells
+        return "\n".join(o.get("text", "") for c in cells if c.cell_type == "code"
+                         for o in c.get("outputs", []))
     text = " ".join(_chapter_markdown().split())
-    outputs = "\n".join(o.get("text", "") for c in cells if c.cell_type == "code"
-                        for o in c.get("outputs", []))
+    outputs = stored_outputs("08b_pipelines_in_practice")
+    # 08b runs chapter 08's real-size stage again for F, I and W: the same times, to the digit
+    times = r"F (\d+\.\d\d) ms +(?:B \d+\.\d\d ms +)?I (\d+\.\d\d) ms +W (\d+\.\d\d) ms"
+    in_08 = re.findall(times, stored_outputs("08_pipeline_parallel"))
+    in_08b = re.findall(times, outputs)
+    assert len(in_08) == 1 and in_08 == in_08b, (in_08, in_08b)
     p = 4
     # one synchronous step against steps back to back (post-validation)
     rows = {(label.strip(), name.strip()): (float(one), float(steady)) for label, name, one, steady

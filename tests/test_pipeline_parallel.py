@@ -927,7 +927,7 @@ def _check_across(got, expected, p):
                                                msg=lambda m, n=n: f"{where}: {n}: {m}")
 
 
-# ---- looped BFS, steps back to back, and a schedule under ZeRO-3 (chapter 08 section 6) --------
+# ---- looped BFS, steps back to back, and a schedule under ZeRO-3 (chapter 08b, §1 and §3) -------
 
 @pytest.mark.parametrize("p, m, v", [(2, 3, 2), (3, 5, 2), (4, 8, 2), (4, 6, 3), (2, 2, 2)])
 def test_looped_bfs_bubble_memory_and_order(p, m, v):

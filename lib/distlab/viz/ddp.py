@@ -1,8 +1,12 @@
 """Pictures of chapter 05, drawn from runs (measured or emulated): the compute/communication timeline of one
-backward pass per bucket, a bucket-size sweep, loss curves and per-rank step times."""
+backward pass per bucket, a bucket-size sweep, loss curves and per-rank step times; and the few
+lines of text printed beside them (what a run's trace or timelines say, in numbers), so that a
+cell of the chapter is its idea and one call, not twenty lines of bookkeeping."""
 import matplotlib.pyplot as plt
+import torch
 from matplotlib.patches import Patch
 
+from ..data_parallel import predict_step
 from ..trace import _unit
 
 COMPUTE, COMM = "#4C72B0", "#DD8452"
@@ -134,3 +138,68 @@ def construction_broadcast(ax, trace, link, rank=0):
         f"the same bytes as one broadcast: "
         f"{link.seconds('broadcast', total, trace.world_size) * 1e6:.0f} µs; the step's first "
         f"all-reduce starts at {trace.comm(rank, op='all_reduce')[0]['start'] * 1e6:,.0f} µs"])
+
+
+def _step(run):
+    """The step's seconds of a distlab.run of (timeline, seconds, ...) per rank: the slowest rank's."""
+    return max(r[1] for r in run)
+
+
+def mlp_step_report(on, off, datasheet_on, datasheet_off, device, widths, batch):
+    """Where an emulated data-parallel step of an MLP goes (chapter 05, §4): the step with overlap
+    on and off, its matmuls' time by the device model (`device`: an emulate preset's device, the
+    same formulas the emulator charges), its bucket all-reduces, and the same two runs at
+    datasheet rates.
+
+    `on`, `off`, `datasheet_on`, `datasheet_off`: distlab.run results of a function returning
+    (BucketedDDP.last_timeline(), step seconds, ...) per rank; `widths`: the MLP's layer widths;
+    `batch`: samples per rank."""
+    step_on, step_off = _step(on), _step(off)
+    shapes = list(zip(widths[:-1], widths[1:]))           # (in, out) of each Linear layer
+    # forward: batch × out × in; backward: the input's gradient (batch × in × out; the first
+    # layer needs none) and the weight's (out × in × batch)
+    gemms = ([(batch, o, i) for i, o in shapes] + [(batch, i, o) for i, o in shapes[1:]]
+             + [(o, i, batch) for i, o in shapes])
+    gemm_time = sum(device.gemm_seconds(m, n, k, torch.float32) for m, n, k in gemms)
+    wide = max(widths)
+    transfers = [b["done"] - b["launched"] for b in on[0][0]["buckets"]]
+    ideal_on, ideal_off = _step(datasheet_on), _step(datasheet_off)
+    return "\n".join([
+        f"one step on {len(on)} ranks: {step_on * 1e6:,.0f} µs with overlap, {step_off * 1e6:,.0f} µs "
+        f"without: off / on = {step_off / step_on:.2f}",
+        f"its {len(gemms)} matmuls: {gemm_time * 1e6:,.0f} µs; one of {batch}×{wide}×{wide} takes "
+        f"{device.gemm_seconds(batch, wide, wide, torch.float32) * 1e6:.0f} µs, at "
+        f"{device.gemm_efficiency(batch, wide, wide, torch.float32):.0%} of the fp32 peak; every "
+        f"other op costs at least {device.floor * 1e6:.0f} µs",
+        f"its {len(transfers)} bucket all-reduces: {sum(transfers) * 1e6:.0f} µs in all "
+        f"({sum(transfers) / step_on:.0%} of the step), {min(transfers) * 1e6:.0f}-"
+        f"{max(transfers) * 1e6:.0f} µs each",
+        f"at datasheet rates: {ideal_on * 1e6:.0f} µs with overlap, {ideal_off * 1e6:.0f} µs "
+        f"without: off / on = {ideal_off / ideal_on:.2f}"])
+
+
+def overlap_report(big, alone, cluster, nodes=2):
+    """Overlap at real size (chapter 05, §4): for overlap on and off, when the emulated N-rank
+    run's backward ended and its buckets were synced, its step, and the step predicted from the
+    one-rank run (`predict_step` on the cluster's link of N ranks); then off / on for the N ranks
+    and, predicted, for the ranks of one node.
+
+    `big`: {overlap: distlab.run result of gpt_step on N ranks}; `alone`: {overlap: gpt_step's
+    (timeline, seconds) on one rank}; `cluster`: the emulate preset the N ranks ran on, `nodes`
+    of them."""
+    n = big[True].trace.world_size
+    every, one_node = (cluster.link_between(range(k)) for k in (n, n // nodes))
+    lines = []
+    for overlap in (True, False):
+        tl, _ = big[overlap][0]
+        lines.append(
+            f"{n} ranks, overlap {'on ' if overlap else 'off'}: backward done at "
+            f"{tl['backward_end'] * 1e3:.2f} ms, all buckets synced at "
+            f"{max(b['done'] for b in tl['buckets']) * 1e3:.2f} ms; step {_step(big[overlap]) * 1e3:.2f} ms "
+            f"(predicted from one rank {predict_step(*alone[overlap], n, every) * 1e3:.2f}; "
+            f"one rank alone {alone[overlap][1] * 1e3:.2f})")
+    in_node = {overlap: predict_step(*alone[overlap], n // nodes, one_node) for overlap in (True, False)}
+    lines.append(f"overlap off / on: {n} ranks on {'two' if nodes == 2 else nodes} nodes "
+                 f"{_step(big[False]) / _step(big[True]):.2f} (emulated); {n // nodes} ranks in one "
+                 f"node {in_node[False] / in_node[True]:.2f} (predicted)")
+    return "\n".join(lines)
