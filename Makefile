@@ -28,12 +28,15 @@ lab: $(STAMP)
 # (tests/budget_walls.json): much of a test's wall time is ranks waiting on each other, kernels
 # and torchrun starting, so four share 2 cores well (measured on 2 quiet cores: three workers
 # kept 1.27 cores busy on average, four 1.64, each of the four busy within 5 % of the others). `make test WORKERS=0` runs them in one.
-# nbval runs the chapters (notebooks/), a kernel each; the solved workbooks run in ONE kernel,
-# judged by nbval's rules (tests/test_solutions.py: 79 CPU-s instead of 168 for thirteen kernels);
-# test-portable runs nbval itself on both.
+# nbval runs the chapters (notebooks/) in one kernel per worker, put back as new between two
+# chapters (DISTLAB_SHARED_KERNEL, tests/shared_kernel.py: a kernel is ≈ 5 CPU-s before the first
+# line runs); the solved workbooks run in ONE kernel, judged by nbval's rules
+# (tests/test_solutions.py); test-portable runs nbval itself, a kernel per notebook, on both.
+# PYTHONDONTWRITEBYTECODE emptied: where a machine sets it, every one of the suite's processes
+# compiled the course and rewrote the tests' asserts again (≈ 4 CPU-s per pytest worker).
 WORKERS ?= 4
 test: $(STAMP) $(VENV)/.distlab-grading-installed $(VENV)/.distlab-hta-installed
-	DISTLAB_NO_PROGRESS=1 $(PY) -m pytest tests notebooks $(NBVAL) --timeout=900 -q \
+	DISTLAB_NO_PROGRESS=1 DISTLAB_SHARED_KERNEL=1 PYTHONDONTWRITEBYTECODE= $(PY) -m pytest tests notebooks $(NBVAL) --timeout=900 -q \
 		$(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
 # make test, then each file's wall seconds written to tests/budget_walls.json (the order in which
@@ -49,7 +52,7 @@ PERTURBED := $(shell grep -v '^\s*\#' tests/perturbed.env | grep '=')
 # `-p conftest` (tests/ on the path): tests/conftest.py's retry of a kernel that dies at birth
 # (a port taken between its choice and its bind), which `make test` gets by collecting tests/.
 test-portable: $(STAMP) $(VENV)/.distlab-hta-installed
-	env $(PERTURBED) DISTLAB_NO_PROGRESS=1 PYTHONPATH=tests $(PY) -m pytest -p conftest \
+	env $(PERTURBED) DISTLAB_NO_PROGRESS=1 PYTHONDONTWRITEBYTECODE= PYTHONPATH=tests $(PY) -m pytest -p conftest \
 		notebooks solutions $(NBVAL) --timeout=900 -q \
 		$(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 

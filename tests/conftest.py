@@ -57,6 +57,9 @@ def pytest_configure(config):
     except ImportError:
         return
     nbval.kernel.start_new_kernel = retry_kernel_start(nbval.kernel.start_new_kernel)
+    import shared_kernel
+    if shared_kernel.enabled():
+        shared_kernel.install()
 
 def pytest_collection_modifyitems(items):
     """Test modules' functions travel to ranks BY VALUE, as a notebook cell's do.
