@@ -12,7 +12,9 @@ nbval_kernel = pytest.importorskip("nbval.kernel")
 
 LEAVE_BEHIND = r"""
 import os, sys, warnings, torch, matplotlib, matplotlib.pyplot as plt
-import distlab
+import distlab.ranks
+sys._ranks_stopped = False      # stands for a %%ranks pool: the reset must stop it
+distlab.ranks._stop_pool = lambda: setattr(__import__("sys"), "_ranks_stopped", True)
 os.environ["DISTLAB_LEFT_BEHIND"] = "1"
 os.environ.pop("HOME", None)
 os.chdir("/")
@@ -44,6 +46,7 @@ print(json.dumps({
     "threads": torch.get_num_threads() == s["threads"],
     "grad": torch.is_grad_enabled(),
     "seed": torch.initial_seed(),
+    "ranks stopped": sys._ranks_stopped,
 }))
 """
 
@@ -76,7 +79,7 @@ def test_the_reset_puts_back_what_a_notebook_can_change(tmp_path):
     assert state.pop("seed") != 0        # a new random seed, as a new process draws
     assert state == {"name gone": True, "environ": True, "cwd": True, "path": True,
                      "filters": True, "rc": True, "figures": True, "dtype": "torch.float32",
-                     "precision": 4, "threads": True, "grad": True}
+                     "precision": 4, "threads": True, "grad": True, "ranks stopped": True}
 
 
 def test_a_reset_that_fails_is_not_taken_for_a_fresh_kernel():
