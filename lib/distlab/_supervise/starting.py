@@ -32,7 +32,8 @@ def _get_context():
                 # seconds per rank, paid once here instead (measured fork-safe: no threads).
                 ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
                                             "torch.fx.experimental.symbolic_shapes",
-                                            "distlab._worker"])
+                                            "distlab._worker", "distlab.trace",
+                                            "distlab.emulate"])
             _context = ctx
         return _context
 
