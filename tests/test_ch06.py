@@ -58,6 +58,36 @@ def flat_zero_step_single(params, flat_shard, optimizer, group):
         at += p.numel()
 
 
+def flat_ring_of_messages(params, flat_shard, optimizer, group):
+    """Differently written: a hand-written ring of messages on the group (batch_isend_irecv), the
+    bytes of a reduce-scatter and an all-gather — priced by the checkers' one traffic rule like
+    the collectives (a receive is the peer's send, not bytes this rank sent)."""
+    ranks = dist.get_process_group_ranks(group)
+    n, me = len(ranks), ranks.index(dist.get_rank())
+    right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
+    grad = torch.cat([p.grad.reshape(-1) for p in params])
+    total = grad.numel()
+    c = -(-total // n)
+
+    def hop(send):
+        got = torch.empty_like(send)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right, group),
+                                            dist.P2POp(dist.irecv, got, left, group)]):
+            work.wait()
+        return got
+    chunks = [x.clone() for x in F.pad(grad, (0, c * n - total)).split(c)]
+    for s in range(n - 1):                       # reduce-scatter: rank me ends with chunk me
+        chunks[(me - s - 2) % n] += hop(chunks[(me - s - 1) % n])
+    flat_shard.grad = chunks[me][:flat_shard.numel()] / n
+    optimizer.step()
+    parts = [None] * n
+    parts[me] = F.pad(flat_shard.detach(), (0, c - flat_shard.numel()))
+    for s in range(n - 1):                       # all-gather
+        parts[(me - s - 1) % n] = hop(parts[(me - s) % n])
+    for p, part in zip(params, torch.cat(parts)[:total].split([q.numel() for q in params])):
+        p.data.copy_(part.view_as(p))
+
+
 def flat_summed(params, flat_shard, optimizer, group):
     """Wrong: the sum, not the average (Adam nearly hides it; the tight comparison does not)."""
     n = dist.get_world_size(group)
@@ -150,7 +180,7 @@ def test_flat_zero_step_battery():
     # the workbook's answer (flat_zero_step) runs in nbval of solutions/06; one 5-rank launch
     # per candidate here
     said = battery(ch06.check_flat_zero_step, require=("different", "wrong", "cheat", "decoy"),
-                   different=[flat_zero_step_single], wrong=[flat_summed],
+                   different=[flat_zero_step_single, flat_ring_of_messages], wrong=[flat_summed],
                    cheat=[flat_world_barrier, flat_course_gather],
                    decoy=[flat_global_rank, flat_all_reduce, flat_zeros_beside])
     assert said["wrong"][0].startswith("flat_summed on the group [0, 2, 4], rank 0, after 3 "

@@ -7,7 +7,9 @@ they share, one module per idea, and every name is re-exported here (`from . imp
 - `_learner`: calling and running the learner's function (a stub named before any rank starts,
   a refusal or a deadlock turned into that sentence);
 - `_hangs`: where the ranks of a hung run wait, and what to change;
-- `_forbid`: refusing the course's own answers while the learner's function runs.
+- `_forbid`: refusing the course's own answers while the learner's function runs;
+- `_traffic`: the one traffic rule of every checker that judges communication — what travelled,
+  how many bytes, on which group, for collectives and messages alike.
 """
 from ..launch import RankFailed, RunTimeout  # noqa: F401
 from ._forbid import _refusing_code, forbid  # noqa: F401

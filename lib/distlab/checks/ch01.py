@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import (CheckFailed, UsedCourseCode, _refusing_code, call_learner, compare, forbid,
                passed, run_learner)
-from . import sizes_phrase
+from . import _traffic, sizes_phrase
 from ..launch import RankFailed, RunTimeout
 from ..rendezvous import open_store
 
@@ -253,23 +253,20 @@ def _block_sum_on_ranks(rank, world_size, block_sum, group_size, values):
 
 
 def _check_inside_block(trace, world_size, group_size, name):
-    """Every message of a rank stays inside its block: collectives on exactly the block's group,
-    point-to-point messages with peers of the block (a block of one rank needs none)."""
+    """Every message of a rank stays inside its block, by the checkers' one traffic rule
+    (`_traffic`): collectives on exactly the block's group, point-to-point messages with peers of
+    the block (a block of one rank needs none)."""
     for rank in range(world_size):
         block = _block(rank, world_size, group_size)
         context = f"{name} with world_size={world_size}, group_size={group_size}"
-        events = [e for e in trace.comm(rank) if e["op"] != "barrier"]
-        for e in events:
-            if e["op"] in ("send", "recv"):
-                outside = e.get("peer") is not None and e["peer"] not in block
-                where = f"its {e['op']} went to rank {e['peer']}" if outside else None
-            else:
-                outside = tuple(e["group"]) != block
-                where = f"its {e['op']} ran over ranks {list(e['group'])}" if outside else None
-            if outside:
-                raise CheckFailed(f"{context}: rank {rank}'s block is ranks {list(block)}, but "
-                                  f"{where}; communicate on a group of exactly the block.")
-        if len(block) > 1 and not events:
+        calls = _traffic.data_calls(_traffic.records(trace, rank))
+        bad, _ = _traffic.off_group(calls, block)
+        if bad is not None:
+            where = (f"its {bad['op']} went to rank {bad['peer']}" if bad["kind"] in _traffic.P2P
+                     else f"its {bad['op']} ran over ranks {list(bad['group'])}")
+            raise CheckFailed(f"{context}: rank {rank}'s block is ranks {list(block)}, but "
+                              f"{where}; communicate on a group of exactly the block.")
+        if len(block) > 1 and not calls:
             raise CheckFailed(f"{context}: rank {rank} returned its block's sum without a "
                               f"message; it only knows its own value.")
 

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..launch import RunTimeout
-from . import CheckFailed, RankFailed, call_learner, compare, forbid, passed, run, run_learner
+from . import (CheckFailed, RankFailed, _traffic, call_learner, compare, forbid, passed, run,
+               run_learner)
 from .ch01 import learner_run, no_object_collectives, refusing
 
 TIMEOUT = 20  # a learner's hang is reported, with where each rank waits, within this
@@ -51,33 +52,33 @@ def _fresh_seed():
 def _check_traffic(trace, world_size, groups, name, allowed=None, max_bytes=None):
     """Every message of every rank stays in its group: collectives on exactly that group, sends
     and receives with its members; `allowed` limits the collectives, `max_bytes(rank)` what the
-    rank may put on the wire. At least one message per rank of a group of two or more."""
+    rank may put on the wire, counted by the checkers' one traffic rule (`_traffic`: a message
+    its size, a collective its ring share, so send/recv of the same bytes count the same). At
+    least one message per rank of a group of two or more."""
     for rank in range(world_size):
         ranks = _group_of(rank, groups)
         context = f"{name} with {world_size} ranks, rank {rank} (its group is {list(ranks)})"
-        events = [e for e in trace.comm(rank) if e["op"] != "barrier"]
-        sent = 0
-        for e in events:
-            if e["op"] in ("send", "recv"):
-                if e.get("peer") is not None and e["peer"] not in ranks:
-                    raise CheckFailed(f"{context}: its {e['op']} went to rank {e['peer']}, outside "
-                                      f"the group; use the group you were given.")
-                sent += e["bytes"] if e["op"] == "send" else 0
-                continue
-            if tuple(e["group"]) != tuple(ranks):
-                raise CheckFailed(f"{context}: its {e['op']} ran over ranks {list(e['group'])}; "
+        calls = _traffic.data_calls(_traffic.records(trace, rank))
+        for c in calls:
+            bad, _ = _traffic.off_group([c], ranks)
+            if bad is not None and c["kind"] in _traffic.P2P:
+                raise CheckFailed(f"{context}: its {c['op']} went to rank {c['peer']}, outside "
+                                  f"the group; use the group you were given.")
+            if bad is not None:
+                raise CheckFailed(f"{context}: its {c['op']} ran over ranks {list(c['group'])}; "
                                   f"pass group= to every collective.")
-            if allowed is not None and e["op"] not in allowed:
-                raise CheckFailed(f"{context}: the values are right, but it called {e['op']}; "
+            if allowed is not None and c["kind"] == "collective" and c["op"] not in allowed:
+                raise CheckFailed(f"{context}: the values are right, but it called {c['op']}; "
                                   f"the exercise allows only {' and '.join(allowed)} (or "
                                   f"send/recv of the same bytes) and local arithmetic.")
-            sent += e["bytes"]
-        if len(ranks) > 1 and not events:
+        if len(ranks) > 1 and not calls:
             raise CheckFailed(f"{context}: the values are right without a message; they must "
                               f"travel from the other ranks.")
-        if max_bytes is not None and sent > max_bytes(rank):
-            raise CheckFailed(f"{context}: the values are right, but it put {sent} bytes on the "
-                              f"wire where {max_bytes(rank)} (its own tensor, once) suffice.")
+        sent = _traffic.wire(calls)
+        if max_bytes is not None and sent > max_bytes(rank) + 1e-9:
+            raise CheckFailed(f"{context}: the values are right, but it put {sent:g} bytes on "
+                              f"the wire where {max_bytes(rank):g} (its own tensor, once, less "
+                              f"the chunk it keeps) suffice.")
 
 
 def _rank_failed_sentence(e, context):
@@ -204,8 +205,10 @@ def check_reduce_scatter_from_all_to_all(fn):
                 compare(got[rank][i], total.chunk(len(ranks))[me],
                         f"{name} with {ws} ranks, rank {rank} (group {list(ranks)}, x of "
                         f"{x.numel()} elements)", atol=0, rtol=0)
+        # what a rank must send: the other members' chunks of its x, once
         _check_traffic(got.trace, ws, groups, name, allowed=("all_to_all",),
-                       max_bytes=lambda r: sum(x.numel() * x.element_size() for x in xs[r]))
+                       max_bytes=lambda r: sum(x.numel() * x.element_size() for x in xs[r])
+                       * (len(_group_of(r, groups)) - 1) / len(_group_of(r, groups)))
     passed(f"{name} gives every rank its chunk of its group's sum ({_layout_phrase()}), with "
            f"all_to_all on the group and a local sum.")
 

@@ -7,8 +7,8 @@ talks to the whole world, or takes its group's ranks to be 0..k, is caught. Inpu
 (rank r holds 100·(r+1) + 0, 1, 2, ...; sums of them are exact in any order), at several lengths
 (some shorter than the group), and the answers are compared with what torch's collective gives.
 Then the checker judges WHAT TRAVELLED from the run's trace (`distlab.run(..., trace=True)`),
-whatever route the learner's code took, by one rule (`messages`): every point-to-point message
-counts with its peer and bytes, and a collective over a pair of ranks counts as the messages it
+whatever route the learner's code took, by the checkers' one traffic rule (`_traffic`, read
+here as `messages`): every point-to-point message counts with its peer and bytes, and a collective over a pair of ranks counts as the messages it
 stands for (send/recv of the same bytes as a collective is the same traffic); a collective of the
 learner's group (or of more than two ranks) is the built-in answer, refused.
 
@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from . import CheckFailed, compare, forbid, passed, run, run_learner, sizes_phrase
+from . import CheckFailed, _traffic, compare, forbid, passed, run, run_learner, sizes_phrase
 from .. import collectives as _collectives
 from .. import trace as _trace
 
@@ -41,7 +41,7 @@ WORLD = 8
 GROUPS = ([1, 2, 4, 6, 7], [0, 3, 5])      # side by side; neither is 0..k; sizes 5 and 3
 LENGTHS = (1, 4, 7, 13, 30)
 TIMEOUT = 20       # a learner's deadlock is reported, with where each rank waits, within this
-P2P = ("send", "recv")
+P2P = _traffic.P2P
 
 RING_DEADLOCK = ("In a ring step every rank sends and receives: post every message of the step "
                  "(both directions) before waiting on any, e.g. with dist.batch_isend_irecv; if "
@@ -116,52 +116,17 @@ def _run(fn, kind, name, deadlock_rule):
 
 # ---- the traffic rule: what travelled, as messages -------------------------------------------------
 
-# A collective over two ranks IS a message (or two): counted as the point-to-point traffic it
-# stands for, so a learner may use either. A rooted one (broadcast, reduce) does not say its root
-# in the trace: it counts both ways, the most it can have moved.
-def _pair_messages(e, me, other):
-    each = e["bytes"] // 2 if e["op"] in ("all_gather", "reduce_scatter", "gather",
-                                          "scatter") else e["bytes"]
-    return [(me, other, each), (other, me, each)]
-
-
-def ring_share(op, nbytes, n):
-    """The bytes one rank sends in a collective of `nbytes` (the trace's size: the whole tensor,
-    the full output of a gather) over n ranks, done as a ring: the rule by which the checkers
-    price a built-in collective against the same bytes written as messages."""
-    if n <= 1:
-        return 0
-    if op == "all_reduce":
-        return 2 * (n - 1) * nbytes / n
-    if op in ("reduce_scatter", "all_gather", "all_to_all", "gather", "scatter"):
-        return (n - 1) * nbytes / n
-    return nbytes                   # broadcast, reduce: the whole tensor passes every rank
+# The checkers' one traffic rule (`_traffic`): a collective over two ranks IS a message (or two),
+# counted as the point-to-point traffic it stands for, so a learner may use either; a rooted one
+# (broadcast, reduce) does not say its root in the trace: it counts both ways.
+ring_share = _traffic.ring_share
 
 
 def messages(trace, rank, case):
     """[dict(src, dst, bytes, launch, end, kind)] of what `rank` sent and received in `case`, by
     one rule for messages and collectives; a data collective that is not between two ranks is
     returned as dict(kind='collective', op, group) for the caller to judge."""
-    out = []
-    for e in trace.comm(rank):
-        if e["label"] != [f"case {case}"] or e["op"] == "barrier":
-            continue
-        if e["op"] in P2P:
-            src, dst = (rank, e["peer"]) if e["op"] == "send" else (e["peer"], rank)
-            out.append(dict(kind=e["op"], src=src, dst=dst, bytes=e["bytes"], tag=e["tag"],
-                            launch=e["launch"], end=e["end"], seq=e.get("seq", 0)))
-            continue
-        group = list(e["group"] or ())
-        pair = _pair_messages(e, rank, next(r for r in group if r != rank)) \
-            if len(group) == 2 and rank in group else None
-        if pair is None:
-            out.append(dict(kind="collective", op=e["op"], group=group, native=e["native"]))
-            continue
-        for src, dst, nbytes in pair:
-            out.append(dict(kind="send" if src == rank else "recv", src=src, dst=dst,
-                            bytes=nbytes, tag=("pair", e["op"]), launch=e["launch"],
-                            end=e["end"], seq=e.get("seq", 0)))
-    return out
+    return _traffic.as_messages(_traffic.records(trace, rank, f"case {case}"), rank)
 
 
 def _no_collective(trace, ranks, case, name, what):

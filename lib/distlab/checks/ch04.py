@@ -6,17 +6,16 @@
   order of the dimensions (on cases where "TP last" or "heaviest last" is not the answer);
 - `check_hsdp_average`: HSDP's gradient average on real ranks, judged by the values AND by what
   crosses between replicas (at most a ring all-reduce of this rank's shard: that is HSDP's point),
-  counted by one rule for messages and collectives (`ch03.ring_share`), so a hand-written ring of
-  send/recv passes where the collective of the same bytes does.
+  counted by the checkers' one traffic rule for messages and collectives (`_traffic`), so a
+  hand-written ring of send/recv passes where the collective of the same bytes does.
 """
 import itertools
 import math
 
 import torch
 
-from . import CheckFailed, call_learner, compare, forbid, passed, run
+from . import CheckFailed, _traffic, call_learner, compare, forbid, passed, run
 from .ch01 import learner_run, refusing
-from .ch03 import ring_share as _ring_share
 from .. import mesh as _mesh
 
 
@@ -224,21 +223,19 @@ def _hsdp_on_ranks(rank, world_size, hsdp_average, replicate, shard, n):
 
 def _across_replicas(trace, rank, shard):
     """[(op, reach, bytes)] of what `rank` sent to other replicas, by the one traffic rule of the
-    checkers (`ch03.ring_share`): a message counts its bytes, a collective whose group reaches
-    another replica the bytes this rank sends in it done as a ring — so send/recv carrying the
-    same bytes as a collective count the same."""
+    checkers (`_traffic`): a message counts its bytes, a collective whose group reaches another
+    replica the bytes this rank sends in it done as a ring — so send/recv carrying the same bytes
+    as a collective count the same."""
     mine = rank // shard
     out = []
-    for e in trace.comm(rank):
-        if e["op"] in ("recv", "barrier"):
+    for c in _traffic.records(trace, rank):
+        if not c["wire"]:
+            continue                        # a receive, a barrier: nothing left this rank
+        reach = [c["peer"]] if c["kind"] == "send" else list(c["group"])
+        if c["peer"] is None and c["kind"] == "send":
             continue
-        if e["op"] == "send":
-            if e["peer"] is not None and e["peer"] // shard != mine:
-                out.append(("send", [e["peer"]], e["bytes"]))
-            continue
-        reach = list(e["group"] or ())
         if any(r // shard != mine for r in reach):
-            out.append((e["op"], reach, _ring_share(e["op"], e["bytes"], len(reach))))
+            out.append((c["op"], reach, c["wire"]))
     return out
 
 

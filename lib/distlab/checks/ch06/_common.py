@@ -1,12 +1,10 @@
 """What workbook 06's checkers share: the exercises' model and sizes, the launch that turns gloo's
-and the learner's errors into one sentence, and a recorder of what each collective carried."""
+and the learner's errors into one sentence, and the checkers' recorder of what each call carried."""
 import re
-
-import torch
 
 from ...launch import RankFailed
 from ...sharding import ZeRO, gather_flat
-from .. import CheckFailed, run_learner
+from .. import CheckFailed, _traffic, run_learner
 
 # Parameter counts 60, 10, 50, 5, 15, 3: none divides by both 2 and 3, so slices are padded.
 SIZES, STEPS, BATCH, LR = (6, 10, 5, 3), 3, 12, 0.05
@@ -62,39 +60,12 @@ def _kb(b):
     return f"{b:,.0f} B"
 
 
-class _Collectives:
-    """A dispatch mode that records, for every c10d collective this rank calls, its op and a
-    flat copy of what this rank PUTS IN (its all-gather piece, its reduce-scatter input, its
-    all-reduce tensor); `phase` is stamped on each record."""
+class _Collectives(_traffic.Carried):
+    """The checkers' traffic recorder (`_traffic.Carried`) inside a rank: for every collective and
+    message this rank makes, its op and a flat copy of what this rank PUTS IN (its all-gather
+    piece, its reduce-scatter input, its all-reduce tensor, a message's payload); `phase` is
+    stamped on each record. `calls`: [(phase, op, values)]."""
 
-    _INPUT = {"allgather_": ("all_gather", lambda a: a[1][0]),
-              "_allgather_base_": ("all_gather", lambda a: a[1]),
-              "allgather_into_tensor_coalesced_": ("all_gather", lambda a: torch.cat(
-                  [t.reshape(-1) for t in a[1]])),
-              "reduce_scatter_": ("reduce_scatter", lambda a: torch.cat(
-                  [t.reshape(-1) for t in a[1][0]])),
-              "_reduce_scatter_base_": ("reduce_scatter", lambda a: a[1]),
-              "allreduce_": ("all_reduce", lambda a: torch.cat([t.reshape(-1) for t in a[0]]))}
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        recorder = self
-        self.calls, self.phase = [], None
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func)
-                if name.startswith("c10d."):
-                    op = name.split(".")[1]
-                    label, get = recorder._INPUT.get(op, (op.strip("_"), None))
-                    values = get(args).detach().reshape(-1).clone() if get else None
-                    recorder.calls.append((recorder.phase, label, values))
-                return func(*args, **(kwargs or {}))
-        self._mode = Mode()
-
-    def __enter__(self):
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
+    @property
+    def calls(self):
+        return [(r["phase"], r["op"], r["values"]) for r in self.records]

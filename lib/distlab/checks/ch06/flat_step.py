@@ -4,9 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ... import models, trace as _trace
-from ...cost import TERMS
-from ...emulate import _MODEL
-from .. import CheckFailed, compare, forbid, passed
+from .. import CheckFailed, _traffic, compare, forbid, passed
 from ._common import LR, SIZES, STEPS, _Collectives, _course_code, _kb, _run
 
 # ---- exercise 1: ZeRO-2 over one flat buffer, on a process group ------------------------------
@@ -61,17 +59,7 @@ def _flat_phase(fn, group, members, rank, seed):
                 states=states, windows=windows, c=c, n=n)
 
 
-def _piece_of(values, whole, scales):
-    """values, less its trailing zeros (padding), is a contiguous piece of whole × a scale."""
-    nz = torch.nonzero(values).reshape(-1)
-    if not nz.numel():
-        return False
-    v = values[:int(nz[-1]) + 1]
-    for off in range(whole.numel() - v.numel() + 1):
-        for s in scales:
-            if torch.allclose(whole[off:off + v.numel()] * s, v, rtol=1e-9, atol=1e-12):
-                return True
-    return False
+_piece_of = _traffic.carries
 
 
 def _judge_flat_calls(calls, grad, shard, n, where):
@@ -117,19 +105,18 @@ def _flat_reference(seed):
 
 
 def _flat_traffic(trace, rank, phase, members):
-    """Bytes this rank sent inside its steps (α-β volumes), and the first call on another group."""
-    total, per_op, elsewhere = 0.0, {}, None
-    for e in trace.comm(rank):
-        if not any(a <= e["launch"] <= b for a, b in phase["windows"]):
-            continue
-        group = tuple(e["group"]) if e["group"] else tuple(range(trace.world_size))
-        if group != tuple(members) and elsewhere is None:
-            elsewhere = (e["op"], group)
-        n = len(group)
-        volume = TERMS[_MODEL.get(e["op"], "send")](e["bytes"], n)[1] if n > 1 else 0
-        per_op[e["op"]] = per_op.get(e["op"], 0) + volume
-        total += volume
-    return total, per_op, elsewhere
+    """Bytes this rank sent inside its steps, by the checkers' one traffic rule (`_traffic`: a
+    collective its ring share, a message its size, a receive nothing), and the first call on
+    another group."""
+    calls = _traffic.records(trace, rank, lambda e: any(a <= e["launch"] <= b
+                                                        for a, b in phase["windows"]))
+    per_op = {}
+    for c in calls:
+        per_op[c["op"]] = per_op.get(c["op"], 0) + c["wire"]
+    bad, _ = _traffic.off_group(calls, members)
+    elsewhere = None if bad is None else (bad["op"], [bad["peer"]] if bad["kind"] in
+                                          _traffic.P2P else bad["group"])
+    return _traffic.wire(calls), per_op, elsewhere
 
 
 def check_flat_zero_step(fn):

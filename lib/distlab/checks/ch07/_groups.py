@@ -1,8 +1,7 @@
 """Real subgroups, and the one traffic rule every group-taking check of workbook 07 applies."""
 import torch.distributed as dist
 
-from ... import cost as _cost
-from ...emulate import _MODEL
+from .. import _traffic
 
 
 # (world size, its tensor-parallel groups): two groups of 2 on 4 ranks; on 5 ranks groups of 2 and
@@ -28,43 +27,25 @@ def _layouts_phrase(layouts):
                          for ws, layout in layouts)
 
 
-def _event_group(e, world_size):
-    return tuple(e["group"]) if e["group"] else tuple(range(world_size))
+# The checkers' one traffic rule (`distlab.checks._traffic`), under the names this chapter's
+# checkers use: a call left the group (a collective over other ranks, a message to a rank outside
+# it); the bytes a rank put on the wire (a collective what its ring sends per rank — all-reduce
+# 2(N−1)/N of the tensor, all-gather and reduce-scatter (N−1)/N of the whole one —, a message its
+# size, a recv nothing: it is the peer's send).
 
-
-def _off_group(calls, ranks, world_size):
+def _off_group(calls, ranks, world_size=None):
     """The first call that left the group: a collective over other ranks, a message to a rank
     outside it."""
-    for e in calls:
-        if e["op"] in ("send", "recv"):
-            if e["peer"] is not None and e["peer"] not in ranks:
-                return e, f"a {e['op']} with rank {e['peer']}"
-        elif sorted(_event_group(e, world_size)) != sorted(ranks):
-            return e, f"a {e['op']} over ranks {list(_event_group(e, world_size))}"
-    return None, ""
+    return _traffic.off_group(calls, ranks)
 
 
-def _sent_bytes(calls, world_size):
-    """The bytes this rank put on the wire in `calls`, one rule for every kind of call: a
-    collective what its ring sends per rank (all-reduce 2(N−1)/N of the tensor, all-gather and
-    reduce-scatter (N−1)/N of the whole one), a message its size (a recv is the peer's send)."""
-    total = 0.0
-    for e in calls:
-        if e["op"] in ("recv", "barrier"):
-            continue
-        if e["op"] == "send":
-            total += e["bytes"]
-            continue
-        n = len(_event_group(e, world_size))
-        total += _cost.TERMS[_MODEL.get(e["op"], "send")](e["bytes"], n)[1] if n > 1 else 0
-    return total
+def _sent_bytes(calls, world_size=None):
+    """The bytes this rank put on the wire in `calls`, one rule for every kind of call."""
+    return _traffic.wire(calls)
 
 
-def _describe_calls(calls):
-    if not calls:
-        return "no communication"
-    return ", ".join(f"{e['op']} of {e['bytes']:,} B" for e in calls)
+_describe_calls = _traffic.describe
 
 
 def _phase_calls(trace, rank, phase):
-    return [e for e in trace.comm(rank) if e["label"] and e["label"][0] == phase]
+    return _traffic.records(trace, rank, phase)

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from ... import expert_parallel as ep_lib
 from ... import moe as moe_lib
-from .. import CheckFailed, UsedCourseCode, call_learner, compare, forbid
+from .. import CheckFailed, UsedCourseCode, _traffic, call_learner, compare, forbid
 from ._references import (_dispatch_case, _dispatch_reference, _group_case, _group_reference,
                           _one_process_layer, _priority_order, _queue_positions, _reference_route,
                           _skewed_layer, _tokens)
@@ -103,19 +103,15 @@ def _fresh_seed():
 
 
 def _talked_outside(trace, groups, name):
-    """A one-sentence refusal when a rank's collective or message reached past its group."""
+    """A one-sentence refusal when a rank's collective or message reached past its group, by the
+    checkers' one traffic rule (`_traffic.off_group`)."""
     for ranks in groups:
         for rank in ranks:
-            for event in trace.comm(rank):
-                if event["peer"] is not None:
-                    outside = event["peer"] not in ranks
-                    reached = [event["peer"]]
-                else:
-                    outside = set(event["group"]) != set(ranks)
-                    reached = list(event["group"])
-                if outside:
-                    return (f"{name}: rank {rank}'s {event['op']} reached ranks {reached}, but "
-                            f"its group is {list(ranks)} (the others form another EP group "
-                            f"with other tokens): pass the `group` you were given to every "
-                            f"collective, and use ranks inside it.")
+            bad, _ = _traffic.off_group(_traffic.records(trace, rank), ranks)
+            if bad is not None:
+                reached = [bad["peer"]] if bad["kind"] in _traffic.P2P else list(bad["group"])
+                return (f"{name}: rank {rank}'s {bad['op']} reached ranks {reached}, but "
+                        f"its group is {list(ranks)} (the others form another EP group "
+                        f"with other tokens): pass the `group` you were given to every "
+                        f"collective, and use ranks inside it.")
     return None

@@ -1,7 +1,7 @@
 """Workbook 09, exercise 3: a dispatch with static shapes."""
 import torch
 
-from .. import CheckFailed, expect_arguments, passed, run_learner
+from .. import CheckFailed, _traffic, expect_arguments, passed, run_learner
 from ._common import (LAYOUTS, TIMEOUT, _fresh_seed, _layout_phrase, _my_group, _refusing,
                       _talked_outside)
 from ._references import _dispatch_case, _dispatch_reference
@@ -23,7 +23,8 @@ def _static_bytes(trace, groups):
     """(rank, bytes) of the ranks of one group that sent the most and the fewest bytes, or None
     when every rank of each group sent the same (the ranks' buffers have one shape)."""
     for ranks in groups:
-        sent = {r: sum(e["bytes"] for e in trace.comm(r) if e["op"] != "recv") for r in ranks}
+        # the bytes each rank put on the wire, by the checkers' one traffic rule (`_traffic`)
+        sent = {r: _traffic.wire(_traffic.records(trace, r)) for r in ranks}
         if len(set(sent.values())) > 1:
             most, fewest = max(sent, key=sent.get), min(sent, key=sent.get)
             return (most, sent[most]), (fewest, sent[fewest])
@@ -70,7 +71,7 @@ def check_padded_dispatch(fn, layouts=LAYOUTS[1:]):
         uneven = _static_bytes(got.trace, groups)
         if uneven:
             (most, a), (fewest, b) = uneven
-            raise CheckFailed(f"{name}: rank {most} sent {a} bytes and rank {fewest} {b}: the "
+            raise CheckFailed(f"{name}: rank {most} sent {a:g} bytes and rank {fewest} {b:g}: the "
                               f"values are right, but a static dispatch sends the same padded "
                               f"buffer ({capacity} rows per expert per source) whatever the "
                               f"routing, so every exchange has one shape known in advance.")
