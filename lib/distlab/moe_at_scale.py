@@ -183,3 +183,65 @@ def shared_overlap_step(rank, world_size, overlap, tokens=8192, config=MIXTRAL_8
     dist.all_to_all_single(back, routed(arrived), send, recv)
     del common
     return trace.now() - start, dispatch
+
+
+# ---- when the all-to-all stops hiding: one line, and the emulated check ---------------------------
+
+def comm_bound_width(rate, busbw, ep, top_k=None):
+    """The expert width f (a SwiGLU's hidden size) below which an expert-parallel layer's
+    all-to-all outlasts the compute that could hide it. Tokens per GPU and the model width d
+    cancel.
+
+    A SwiGLU of width f costs 6·d·f FLOPs per row forward (three d × f matmuls), at the
+    achieved rate C. An all-to-all of R rows of d bf16 values sends (ep−1)/ep of them off the
+    rank (balanced routing), (ep−1)/ep · 2·R·d bytes at the bus bandwidth B. With T tokens:
+
+    - `top_k=None`, the routed experts against dispatch + combine: k·T rows computed, two
+      all-to-alls of k·T rows each: 2·(ep−1)/ep·2kTd / B against 6kTdf / C, so
+          f* = 2(ep−1)/ep · C / (3B)                              (top-k cancels too);
+    - `top_k=k`, a shared expert (T rows) computed while the dispatch (k·T rows) travels, as
+      DeepSeek-V3 overlaps them: (ep−1)/ep·2kTd / B against 6Tdf / C, so
+          f* = (ep−1)/ep · k · C / (3B).
+
+    Above f* the compute lasts longer and can hide the exchange (if the code overlaps them);
+    below, the layer is communication-bound. Latency and GEMM efficiency at small row counts
+    (which depend on T and k) are left out; imbalance makes the busiest rank's share larger."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep must be a whole number >= 1; got {ep!r}.")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or a whole number >= 1; got {top_k!r}.")
+    for name, value in (("rate", rate), ("busbw", busbw)):
+        if not (isinstance(value, (int, float)) and value == value and 0 < value < float("inf")):
+            raise ValueError(f"{name} must be a positive number (FLOP/s, bytes/s); got {value!r}.")
+    rows = 2 if top_k is None else top_k
+    return (ep - 1) / ep * rows * rate / (3 * busbw)
+
+
+def shared_hiding_step(rank, world_size, widths, tokens=8192, d_model=4096, top_k=2):
+    """For each shared-expert width: this rank's emulated seconds of (the dispatch alone, the
+    shared expert alone, the dispatch launched asynchronously with the shared expert run while
+    it travels), on meta tensors: `tokens` tokens of `d_model`, `top_k` rows each, spread evenly
+    over the ranks (balanced routing)."""
+    from . import trace
+    per_peer = tokens * top_k // world_size
+    splits = [per_peer] * world_size
+    out = []
+    for ffn in widths:
+        with torch.device("meta"):
+            shared = SwiGLUExpert(d_model, ffn)
+            x = torch.empty(tokens, d_model, dtype=torch.bfloat16)
+            rows = torch.empty(per_peer * world_size, d_model, dtype=torch.bfloat16)
+            arrived = torch.empty_like(rows)
+        times = []
+        for part in ("dispatch", "shared", "overlapped"):
+            dist.barrier()
+            start = trace.now()
+            if part != "shared":
+                work = dist.all_to_all_single(arrived, rows, splits, splits, async_op=True)
+            if part != "dispatch":
+                shared(x)
+            if part != "shared":
+                work.wait()
+            times.append(trace.now() - start)
+        out.append(tuple(times))
+    return out

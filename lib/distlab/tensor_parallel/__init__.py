@@ -23,12 +23,13 @@ but LayerNorm and the residual stream hold 1/tp of the sequence on each rank.
 The package, one module per idea: `layers` (the column/row layers, replicated), `attention`
 (ParallelAttention, kv_head_split, gqa_copy_traffic), `block` (ParallelMLP, ParallelBlock), `measure`
 (dense_shards, sequence_slice, saved_activation_bytes), `real_size` (ParallelLlamaBlock,
-tp_block_seconds), `rng` (RNGTracker, model_parallel_seed).
+tp_block_seconds, comm_bound_width: when TP becomes communication-bound), `rng` (RNGTracker,
+model_parallel_seed).
 """
 from .attention import ParallelAttention, gqa_copy_traffic, kv_head_split
 from .block import ParallelBlock, ParallelMLP
 from .layers import (ColumnParallelLinear, RowParallelLinear, _copy_shards, _reset, per_rank,
                      replicated)
 from .measure import dense_shards, saved_activation_bytes, sequence_slice
-from .real_size import ParallelLlamaBlock, tp_block_seconds
+from .real_size import ParallelLlamaBlock, comm_bound_width, tp_block_seconds, tp_width_step
 from .rng import RNGTracker, _rng_state, _set_rng_state, model_parallel_seed

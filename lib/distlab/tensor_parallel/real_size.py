@@ -68,3 +68,55 @@ def _check_split(tp, tokens, hidden, heads, ffn):
             raise ValueError(f"tp={tp} does not divide {name}={n}: each rank holds 1/tp of "
                              f"them; choose a tp that divides {name}.")
     return tp
+
+
+def comm_bound_width(tp, rate, busbw, weights_per_d2=12.0):
+    """The hidden size d below which a tensor-parallel block is communication-bound: its four
+    all-reduces (forward and backward) take longer than its matmuls. Tokens cancel.
+
+    Per block and T tokens, with hidden size d and k·d² weights (k = 12 for a GPT block, 4d²
+    attention + 8d² MLP; 4 + 3·ffn/d for Llama's SwiGLU): each rank computes 6·k·d²·T/tp FLOPs
+    (forward + backward) at the achieved rate C, and sends four all-reduces of the bf16
+    activation, S = 2·T·d bytes, each 2(tp−1)/tp · S through every GPU at the bus bandwidth W:
+
+        comm / compute = [4 · 2(tp−1)/tp · 2Td / W] / [6·k·d²·T / (tp·C)]
+                       = 8(tp−1)·C / (3·k·d·W)         (2(tp−1)C / (9dW) for k = 12)
+
+    equal to 1 at
+
+        d* = 8(tp−1)·C / (3·k·W).
+
+    T appears on both sides and cancels: unlike data parallelism and ZeRO, more tokens per GPU
+    do not rescue TP — only a wider model or a faster link. Written as chapter 07 writes it,
+    each all-reduce is waited on by the next op, so below d* the step is mostly waiting; above
+    it the communication is still on the critical path (comm/compute < 1, not 0) unless the
+    matmuls are split to overlap it (async TP). Attention's own FLOPs and the collectives'
+    latency are left out."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a whole number >= 1; got {tp!r}.")
+    for name, value in (("rate", rate), ("busbw", busbw), ("weights_per_d2", weights_per_d2)):
+        if not (isinstance(value, (int, float)) and value == value and 0 < value < float("inf")):
+            raise ValueError(f"{name} must be a positive number; got {value!r}.")
+    return 8 * (tp - 1) * rate / (3 * weights_per_d2 * busbw)
+
+
+def tp_width_step(rank, world_size, widths, tokens):
+    """For each hidden size d in `widths`: this rank's emulated seconds of a column-parallel
+    (d → 4d) then row-parallel (4d → d) pair of bf16 matmuls, forward + backward, over all
+    ranks on meta tensors — Megatron's MLP without its nonlinearity, so that the compute is the
+    matmuls the closed form counts: one all-reduce forward, one backward, for 8·d² weights
+    (as four per 16·d²: comm_bound_width(..., weights_per_d2=16)). Each width runs inside a
+    trace span named f"d={d}" (the notebook reads its all-reduces from the trace)."""
+    from .. import trace
+    out = []
+    for d in widths:
+        with torch.device("meta"):
+            up = ColumnParallelLinear(d, 4 * d, bias=False, dtype=torch.bfloat16)
+            down = RowParallelLinear(4 * d, d, bias=False, dtype=torch.bfloat16)
+            x = torch.randn(tokens, d, dtype=torch.bfloat16, requires_grad=True)
+        start = trace.now()
+        with trace.span(f"d={d}"):
+            y = down(up(x))
+            y.backward(torch.ones_like(y))
+        out.append(trace.now() - start)
+    return out

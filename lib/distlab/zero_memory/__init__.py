@@ -26,6 +26,6 @@ from .llama import (LLAMA2_7B, NORM_KERNELS, LlamaBlock, llama_activations,  # n
                     saved_and_recomputed, saved_bytes)
 from .peak import (LLAMA2_13B, _PEAK_PRESETS, llama_zero3_peak, preset_zero3_peak,  # noqa: F401
                    zero3_peak)
-from .step_time import (hiding_tokens, llama_zero3_units, zero3_block_seconds,  # noqa: F401
-                        zero3_units_seconds)
+from .step_time import (comm_bound_tokens, hiding_tokens, llama_zero3_units,  # noqa: F401
+                        zero3_block_seconds, zero3_forward_seconds, zero3_units_seconds)
 from .tracker import PeakTracker  # noqa: F401

@@ -100,3 +100,56 @@ def llama_zero3_units(cluster, world_size, tokens, blocks, shape=None, dtype=tor
         out["backward_after"] = 2 * attn
         units += [unit(h, 1, False), qkv, out, unit(h, 1, False), unit(2 * f, h), unit(h, f)]
     return units
+
+
+# ---- when ZeRO-3 becomes communication-bound: one line, and the emulated check ------------------
+
+def comm_bound_tokens(rate, busbw, world_size):
+    """Tokens per GPU below which ZeRO-3 (FSDP) is communication-bound: its per-layer all-gather
+    (and reduce-scatter) outlast the layer's compute, so prefetch cannot hide them.
+
+    A layer of P parameters at T tokens per GPU costs 2·P·T FLOPs forward and 4·P·T backward,
+    at the achieved rate `rate` (FLOP/s). Its bf16 weights (2P bytes) are all-gathered before
+    the forward and again before the backward; each GPU receives (N−1)/N of them, at the bus
+    bandwidth `busbw` (bytes/s): (N−1)/N · 2P / B per gather. Backward adds a reduce-scatter of
+    the same bytes. So
+
+        forward:  2·P·T / F  ≥  (N−1)/N · 2P / B
+        backward: 4·P·T / F  ≥  2 · (N−1)/N · 2P / B      (gather + reduce-scatter)
+
+    and both give the same crossover, P cancelling:
+
+        T* = (N−1)/N · F / B   tokens per GPU.
+
+    Below T* the link sets the pace; above it prefetch can hide every gather but the first.
+    F is the rate the layer's matmuls achieve (smaller shapes lower it, which moves T* down);
+    latency is left out (it matters only for small layers). Chapter 05b's DDP rule T ≳ F/B is
+    the same inequality for one all-reduce (2(N−1)/N · 2P bytes) behind backward only."""
+    for name, value in (("rate", rate), ("busbw", busbw)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive number (FLOP/s, bytes/s); got {value!r}.")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number >= 1; got {world_size!r}.")
+    return (world_size - 1) / world_size * rate / busbw
+
+
+def zero3_forward_seconds(rank, world_size, token_counts, width=4096, layers=4):
+    """For each token count: this rank's emulated seconds of one forward through `layers`
+    square bf16 Linear layers (width × width, no bias) under the course's ZeRO-3 with prefetch,
+    on meta tensors — each layer one unit, so the closed form's P = width² exactly. Run it
+    under `distlab.run(..., emulate=...)`."""
+    from .. import trace
+    from ..sharding import ZeRO
+    out = []
+    for tokens in token_counts:
+        with torch.device("meta"):
+            model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False,
+                                                          dtype=torch.bfloat16)
+                                          for _ in range(layers)))
+            x = torch.empty(tokens, width, dtype=torch.bfloat16)
+        ZeRO(model, 3, optimizer="sgd", lr=0.1, prefetch=True)
+        torch.distributed.barrier()
+        start = trace.now()
+        model(x)
+        out.append(trace.now() - start)
+    return out
