@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 # JupyterLab refuses to run as root (containers, some cloud VMs) unless told it may.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-lab: $(STAMP)
+lab: $(STAMP) $(VENV)/.distlab-ft-installed
 	$(VENV)/bin/jupyter lab $(ROOT_FLAG) --notebook-dir=. $(LAB_ARGS) notebooks/00_why_distributed.ipynb
 
 # nbgrader is an instructor's tool: installed for the tests that prove the workbooks grade, not by
@@ -35,7 +35,8 @@ lab: $(STAMP)
 # PYTHONDONTWRITEBYTECODE emptied: where a machine sets it, every one of the suite's processes
 # compiled the course and rewrote the tests' asserts again (≈ 4 CPU-s per pytest worker).
 WORKERS ?= 4
-test: $(STAMP) $(VENV)/.distlab-grading-installed $(VENV)/.distlab-hta-installed
+test: $(STAMP) $(VENV)/.distlab-grading-installed $(VENV)/.distlab-hta-installed \
+		$(VENV)/.distlab-ft-installed
 	DISTLAB_NO_PROGRESS=1 DISTLAB_SHARED_KERNEL=1 PYTHONDONTWRITEBYTECODE= $(PY) -m pytest tests notebooks $(NBVAL) --timeout=900 -q \
 		$(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
@@ -51,7 +52,7 @@ test-times:
 PERTURBED := $(shell grep -v '^\s*\#' tests/perturbed.env | grep '=')
 # `-p conftest` (tests/ on the path): tests/conftest.py's retry of a kernel that dies at birth
 # (a port taken between its choice and its bind), which `make test` gets by collecting tests/.
-test-portable: $(STAMP) $(VENV)/.distlab-hta-installed
+test-portable: $(STAMP) $(VENV)/.distlab-hta-installed $(VENV)/.distlab-ft-installed
 	env $(PERTURBED) DISTLAB_NO_PROGRESS=1 PYTHONDONTWRITEBYTECODE= PYTHONPATH=tests $(PY) -m pytest -p conftest \
 		notebooks solutions $(NBVAL) --timeout=900 -q \
 		$(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
@@ -73,6 +74,12 @@ $(VENV)/.distlab-hta-installed: pyproject.toml | $(STAMP)
 	$(PY) -m pip install --quiet -e '.[hta]'
 	touch $@
 
+# torchft (chapter 13's replica groups that survive a lost member, its LocalSGD and DiLoCo):
+# Linux x86_64 only (its wheel; elsewhere the extra installs nothing and the chapter says so).
+$(VENV)/.distlab-ft-installed: pyproject.toml | $(STAMP)
+	$(PY) -m pip install --quiet -e '.[ft]'
+	touch $@
+
 $(VENV)/.distlab-book-installed: pyproject.toml | $(STAMP)
 	$(PY) -m pip install --quiet -e '.[book]'
 	touch $@
@@ -87,7 +94,7 @@ $(VENV)/.distlab-browser-installed: pyproject.toml | $(STAMP)
 	touch $@
 
 # Re-execute notebooks in place as nbval sees them: `make regen` or `make regen NB=notebooks/03_*.ipynb`
-regen: $(STAMP) $(VENV)/.distlab-hta-installed
+regen: $(STAMP) $(VENV)/.distlab-hta-installed $(VENV)/.distlab-ft-installed
 	$(PY) tools/regen.py $(NB)
 
 exercises: $(STAMP)

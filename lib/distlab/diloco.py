@@ -1,0 +1,119 @@
+"""Local SGD and DiLoCo: communicate every H steps instead of every step.
+
+Data parallelism (chapter 05) averages gradients at every step, so every step waits for an
+all-reduce of the whole model. Over a slow link between two sites that is most of the step. Local
+SGD lets each replica take H optimizer steps on its own data with no communication at all (the
+INNER steps), then brings the replicas back together (the OUTER step):
+
+    global    the parameters every replica agreed on at the last outer step
+    delta     global - local, this replica's PSEUDO-GRADIENT: where its H inner steps went, negated
+    mean      all-reduce(delta) / N, the only communication, once per H steps
+    global    an outer optimizer steps `global` with `mean` as its gradient; every replica copies it
+
+With the outer optimizer plain SGD at learning rate 1 the outer step is `global - mean`, the
+average of the replicas' parameters: classic local SGD (periodic model averaging). DiLoCo
+(Douillard et al. 2023, arXiv:2311.08105) uses AdamW inside and SGD with Nesterov momentum outside
+(lr 0.7, momentum 0.9 in the paper) and communicates every H = 500 steps or so.
+
+H = 1 with outer SGD at lr 1 and inner SGD is exactly DDP: after one inner step
+local = global - lr * g_i, so mean = lr * mean(g_i) and the outer step gives global - lr * mean(g),
+DDP's step (`tests/test_ch13.py` proves it at 1, 2, 3 and 5 ranks, in float64).
+
+Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512) splits the parameters into F fragments
+and synchronises fragment f at steps where (step - offset_f) % H == 0, offsets spread over H: the
+same bytes per H steps, but in F smaller messages, so the peak bandwidth a link must carry drops
+by F (it also overlaps each fragment's all-reduce with the next inner steps and sends it in 4
+bits: not done here).
+"""
+import torch
+import torch.distributed as dist
+
+
+def nesterov(params, lr=0.7, momentum=0.9):
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum (the paper's lr and momentum)."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)
+
+
+def plain_average(params):
+    """Local SGD's outer step: SGD at lr 1, no momentum, i.e. replace by the replicas' mean."""
+    return torch.optim.SGD(params, lr=1.0)
+
+
+class DiLoCo:
+    """Wrap a replica's model: call `step()` after each inner optimizer step.
+
+    H:          inner steps between synchronisations.
+    outer:      a function of a parameter list returning the outer optimizer (`nesterov`,
+                `plain_average`, or any torch optimizer's constructor).
+    fragments:  F > 1 is streaming DiLoCo: the parameters are cut into F contiguous groups, and
+                group f synchronises at steps s with (s - f * H // F) % H == 0 (s counted from 1;
+                a fragment's first sync after fewer than H steps is allowed).
+    group:      the process group of the replicas (the world by default).
+    The replicas must start identical (broadcast first). `syncs` counts outer steps, and
+    `bytes_sent` the pseudo-gradient bytes this rank put into all-reduces.
+    """
+
+    def __init__(self, model, H, outer=nesterov, fragments=1, group=None):
+        for name, v, least in (("H", H, 1), ("fragments", fragments, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{name} must be a whole number >= {least}; got {v!r}.")
+        params = [p for p in model.parameters() if p.requires_grad]
+        if fragments > len(params):
+            raise ValueError(f"fragments={fragments} is more than the model's {len(params)} "
+                             f"parameter tensors; every fragment needs at least one.")
+        self.model, self.H, self.group = model, H, group
+        self.world_size = dist.get_world_size(group)
+        size = -(-len(params) // fragments)
+        self.fragments = [params[i:i + size] for i in range(0, len(params), size)]
+        # the agreed (global) copy of each fragment, and its own outer optimizer
+        self.globals = [[p.detach().clone() for p in frag] for frag in self.fragments]
+        self.outers = [outer(g) for g in self.globals]
+        self.offsets = [f * H // len(self.fragments) for f in range(len(self.fragments))]
+        self.inner_steps = self.syncs = self.bytes_sent = 0
+
+    def step(self):
+        """Count an inner step; synchronise the fragments whose turn it is."""
+        self.inner_steps += 1
+        for f in range(len(self.fragments)):
+            if (self.inner_steps - self.offsets[f]) % self.H == 0:
+                self.sync(f)
+
+    @torch.no_grad()
+    def sync(self, f=0):
+        """The outer step of fragment f: average the pseudo-gradients, step the global copy with
+        the outer optimizer, copy it into the model."""
+        local, agreed = self.fragments[f], self.globals[f]
+        deltas = torch.cat([(g - p).reshape(-1) for g, p in zip(agreed, local)])
+        dist.all_reduce(deltas, group=self.group)           # one message per fragment
+        self.bytes_sent += deltas.numel() * deltas.element_size()
+        deltas /= self.world_size
+        for g, d in zip(agreed, deltas.split([g.numel() for g in agreed])):
+            g.grad = d.view_as(g).clone()
+        self.outers[f].step()
+        for g, p in zip(agreed, local):
+            p.copy_(g)
+        self.syncs += 1
+
+
+def train(model, batches, inner, H=None, outer=nesterov, fragments=1, group=None):
+    """Train this rank's replica on `batches` (a list of (x, y)) with MSE loss: DDP (gradients
+    averaged every step) when H is None, DiLoCo with H inner steps otherwise. `inner` is a
+    function of the parameters returning the inner optimizer. Returns the per-step losses of
+    this rank (before each step) and the DiLoCo wrapper (None for DDP)."""
+    import torch.nn.functional as F
+    from .data_parallel import average_gradients, broadcast_parameters
+    broadcast_parameters(model, group=group)
+    opt = inner(model.parameters())
+    wrapper = None if H is None else DiLoCo(model, H, outer, fragments, group)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if wrapper is None:
+            average_gradients(model, group=group)
+        opt.step()
+        if wrapper is not None:
+            wrapper.step()
+        losses.append(loss.item())
+    return losses, wrapper

@@ -1,0 +1,248 @@
+"""Chapter 13's proofs, at world sizes beyond the chapter's (it runs 2 ranks and 3 members):
+compression, local SGD / DiLoCo, a replica group that survives a lost member, torchft beside ours.
+
+One launch per world size carries every proof that needs ranks (each launch costs seconds)."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import distlab
+from distlab import compression, diloco, fault_tolerance
+from distlab.models import make_mlp, regression_data
+
+STEPS = 4
+
+
+def _shards(rank, world_size, steps=STEPS, n=8):
+    x, y = regression_data(n=n * world_size * steps, in_dim=16, out_dim=4, seed=3)
+    x, y = x.double(), y.double()
+    return [(x[i:i + n], y[i:i + n]) for i in range(n * rank, len(x), n * world_size)]
+
+
+def _proofs(rank, world_size):
+    out = {}
+    batches = _shards(rank, world_size)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)                          # noqa: E731
+
+    # 1. DiLoCo with H = 1 and outer SGD at lr 1 is DDP, step for step.
+    ddp, dil = make_mlp(seed=0).double(), make_mlp(seed=0).double()
+    diloco.train(ddp, batches, sgd)
+    _, wrapper = diloco.train(dil, batches, sgd, H=1, outer=diloco.plain_average)
+    out["diloco_h1_vs_ddp"] = max((a - b).abs().max().item()
+                                  for a, b in zip(ddp.parameters(), dil.parameters()))
+    out["diloco_h1_syncs"] = wrapper.syncs
+
+    # 2. Local SGD (H = 2, lr-1 outer SGD) leaves every replica at the mean of the replicas.
+    model = make_mlp(seed=0).double()
+    opt = sgd(model.parameters())
+    wrap = diloco.DiLoCo(model, 2, diloco.plain_average)
+    for i, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        if i % 2 == 1:
+            before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            mean = before.clone()
+            dist.all_reduce(mean)
+            mean /= world_size
+        wrap.step()
+        if i % 2 == 1:
+            after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            out.setdefault("local_sgd_vs_mean", []).append((after - mean).abs().max().item())
+
+    # 3. Streaming: F fragments, each synced once per H steps, at its own offset; the same bytes.
+    model = make_mlp(seed=0).double()
+    stream = diloco.DiLoCo(model, 4, fragments=3)
+    whole = diloco.DiLoCo(make_mlp(seed=0).double(), 4)
+    calls = []
+    original = stream.sync
+    stream.sync = lambda f=0: (calls.append((stream.inner_steps, f)), original(f))
+    for _ in range(8):
+        stream.step()
+        whole.step()
+    out["stream_calls"], out["stream_bytes"] = calls, (stream.bytes_sent, whole.bytes_sent)
+
+    # 4. PowerSGD at full rank is the exact mean (every matrix, also tall and wide ones).
+    model = make_mlp((16, 6, 9, 4), seed=0).double()
+    x, y = batches[0]
+    F.mse_loss(model(x), y).backward()
+    exact = [p.grad.clone() for p in model.parameters()]
+    for g in exact:
+        dist.all_reduce(g)
+        g /= world_size
+    ps = compression.PowerSGD(model, rank=9, error_feedback=True)
+    for step in range(2):                  # twice: the second step adds the error buffers back
+        model.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        ps.average()
+        out.setdefault("full_rank", []).append(compression.relative_error(
+            [p.grad for p in model.parameters()], exact))
+
+    # 5. Error feedback: the accumulated gap IS the mean error buffer, and it stays bounded.
+    common = torch.randn(12, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def gradient(step):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        return common + 0.5 * torch.randn(12, 10, generator=g, dtype=torch.float64)
+    out["ef"] = compression.accumulated_gap(gradient, 30, rank=1, error_feedback=True)
+    out["no_ef"] = compression.accumulated_gap(gradient, 30, rank=1, error_feedback=False)
+    out["gnorm"] = float(common.norm())
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 5])
+def proofs(request):
+    return request.param, distlab.run(_proofs, request.param, timeout=120)
+
+
+def test_diloco_h1_with_outer_sgd_lr1_is_ddp(proofs):
+    n, results = proofs
+    for r, out in enumerate(results):
+        assert out["diloco_h1_vs_ddp"] < 1e-12, (n, r, out["diloco_h1_vs_ddp"])
+        assert out["diloco_h1_syncs"] == STEPS
+
+
+def test_local_sgd_is_the_mean_of_the_replicas(proofs):
+    n, results = proofs
+    for out in results:
+        assert len(out["local_sgd_vs_mean"]) == STEPS // 2
+        assert max(out["local_sgd_vs_mean"]) < 1e-12
+
+
+def test_streaming_syncs_each_fragment_once_per_H_at_its_offset(proofs):
+    _, results = proofs
+    calls, (stream_bytes, whole_bytes) = results[0]["stream_calls"], results[0]["stream_bytes"]
+    # offsets 0, 1, 2 (f * 4 // 3): fragment 1 at steps 1 and 5, fragment 2 at 2 and 6, 0 at 4, 8
+    assert calls == [(1, 1), (2, 2), (4, 0), (5, 1), (6, 2), (8, 0)]
+    assert stream_bytes == whole_bytes
+
+
+def test_full_rank_powersgd_is_the_exact_mean(proofs):
+    _, results = proofs
+    for out in results:
+        assert max(out["full_rank"]) < 1e-12, out["full_rank"]
+
+
+def test_error_feedback_keeps_the_accumulated_error_bounded(proofs):
+    n, results = proofs
+    gaps, held = results[0]["ef"]
+    for g, h in zip(gaps, held):          # the gap is exactly what the buffers still hold
+        assert abs(g - h) <= 1e-9 * max(1.0, g)
+    gnorm = results[0]["gnorm"]
+    if n == 1:                            # one rank: rank-1 of the same matrix; gap bounded too
+        assert max(gaps) < 10 * gnorm
+        return
+    assert max(gaps[10:]) < 1.5 * max(gaps[:10]) + 1e-9   # no growth after the first steps
+    no_ef = results[0]["no_ef"][0]
+    assert no_ef[-1] > 3 * gaps[-1]                        # without it the gap grows with t
+    assert no_ef[-1] > 1.8 * no_ef[len(no_ef) // 2 - 1]    # linearly: about doubles from t=15 to 30
+
+
+def test_bytes_per_step_and_refusals():
+    model = make_mlp((16, 64, 64, 4), seed=0)
+    numel = sum(p.numel() for p in model.parameters())
+    assert compression.bytes_per_step(model) == 4 * numel
+    # rank 1: (n + m) per matrix, biases whole
+    assert compression.bytes_per_step(model, rank=1) == 4 * ((64 + 16) + (64 + 64) + (4 + 64)
+                                                             + 64 + 64 + 4)
+    p = torch.randn(7, 3, dtype=torch.float64)
+    q = compression.orthonormalize(p.clone())
+    assert torch.allclose(q.t() @ q, torch.eye(3, dtype=torch.float64), atol=1e-12)
+    with pytest.raises(ValueError, match="rank must be a whole number"):
+        compression.PowerSGD(model, rank=0)
+    with pytest.raises(ValueError, match="H must be a whole number"):
+        diloco.DiLoCo(model, 0)
+    with pytest.raises(ValueError, match="fragments=9 is more than"):
+        diloco.DiLoCo(model, 2, fragments=9)
+    with pytest.raises(ValueError, match="kill must be"):
+        fault_tolerance.run_group(members=3, kill=(3, 1))
+    with pytest.raises(ValueError, match="join must be a step after the kill"):
+        fault_tolerance.run_group(members=3, steps=8, kill=(2, 5), join=4)
+    from distlab.across_sites import Sites
+    with pytest.raises(ValueError, match="gbit must be a positive number"):
+        Sites(gbit=0)
+
+
+def test_survivors_continue_and_a_newcomer_heals():
+    """4 members (the chapter runs 3): member 1 dies inside step 2's all-reduce, a newcomer joins
+    at step 4. Every trajectory equals one process that averaged, at each step, exactly the
+    members of that step: so the survivors' run from step 2 is a run that never had member 1."""
+    steps = 6
+    out = fault_tolerance.run_group(members=4, steps=steps, kill=(1, 2), join=4)
+    assert sorted(out["trajectories"]) == [0, 2, 3, 4]
+    assert [s for s, m, _ in out["failures"]] == [2, 2, 2]
+    assert {m for _, m, _ in out["failures"]} == {0, 2, 3}
+
+    def membership(step):
+        return [0, 1, 2, 3] if step < 2 else [0, 2, 3] if step < 4 else [0, 2, 3, 4]
+    ref = fault_tolerance.reference(membership, steps)
+    never_had_1 = fault_tolerance.reference(lambda s: [0, 1, 2, 3] if s < 2 else [0, 2, 3], 4)
+    for m, trajectory in out["trajectories"].items():
+        assert sorted(trajectory) == (list(range(4, steps)) if m == 4 else list(range(steps)))
+        for step, flat in trajectory.items():
+            assert (flat - ref[step]).abs().max() < 1e-12, (m, step)
+            if step < 4:
+                assert (flat - never_had_1[step]).abs().max() < 1e-12
+    # and the step after the loss is not what the full group would have done
+    full = fault_tolerance.reference(lambda s: [0, 1, 2, 3], 3)
+    assert (out["trajectories"][0][2] - full[2]).abs().max() > 1e-6
+
+
+def test_torchft_diloco_and_local_sgd_equal_ours():
+    """torchft's DiLoCo (outer Nesterov) and LocalSGD through its Manager, Lighthouse and gloo
+    process group, at 3 replica groups (the chapter runs 2): equal to the course's DiLoCo."""
+    pytest.importorskip("torchft", reason="torchft is in the `ft` extra, which make test installs")
+    results = distlab.run(_both, 3, timeout=120, env={"RUST_LOG": "error"})
+    for diff_d, steps_d, syncs_d, diff_l, steps_l, syncs_l in results:
+        assert diff_d < 1e-12 and diff_l < 1e-12
+        assert steps_d == syncs_d == 3 and steps_l == syncs_l == 3
+
+
+def _both(rank, world_size):
+    from distlab.torchft_runs import diloco_beside
+    return (diloco_beside(rank, world_size, H=2, steps=6)
+            + diloco_beside(rank, world_size, H=2, steps=6, local_sgd=True))
+
+
+def test_torchft_group_survives_a_lost_group_and_heals_a_newcomer():
+    """torchft's Manager and Lighthouse, 4 replica groups (the chapter runs 3): group 1 hangs at
+    step 2 and is killed; the others' commit fails, they retry without it; group 4 joins at step
+    4 and heals from a peer over torchft's HTTP checkpoint transport. Every committed step equals
+    one process that averaged the groups that contributed to it."""
+    pytest.importorskip("torchft", reason="torchft is in the `ft` extra, which make test installs")
+    from distlab.torchft_runs import ft_group, membership
+    records = ft_group(groups=4, steps=6, kill=(1, 2), join=(4, 4), timeout=60)
+    assert sorted(records) == [0, 2, 3, 4]
+    members = membership(records, lost=1)
+    assert members[0] == members[1] == [0, 1, 2, 3]
+    assert all(1 not in members[s] for s in range(2, 6))
+    assert members[5] == [0, 2, 3, 4]
+    assert sorted(records[4]) == [s for s in range(6) if 4 in members[s]]
+    ref = fault_tolerance.reference(lambda s: members[s], 6)
+    for rid, record in records.items():
+        for step, (flat, _, _) in record.items():
+            assert (flat - ref[step]).abs().max() < 1e-12, (rid, step)
+
+
+def test_across_sites_model_is_consistent():
+    """The modeled two-site step: DDP pays the whole gradient every step, DiLoCo 1/H of it; the
+    break-even H and the link for a utilisation invert each other; PowerSGD's count is P and Q."""
+    from distlab import across_sites as a
+    sites = a.Sites(gbit=1)
+    steps, compute = a.step_times(a.INTELLECT_1, sites, Hs=(10, 100))
+    ddp = steps["DDP (bf16 gradients)"][0]
+    assert abs(ddp - compute - sites.cross(2 * a.INTELLECT_1.params())) < 1e-9
+    d10, d100 = steps["DiLoCo H=10 (32-bit)"][0], steps["DiLoCo H=100 (32-bit)"][0]
+    assert abs((d10 - compute) - 10 * (d100 - compute)) < 1e-9
+    for bits in (32, 8):
+        h = a.break_even_H(a.INTELLECT_1, sites, 0.9, bits=bits)
+        at = a.step_times(a.INTELLECT_1, sites, Hs=(h - 1, h), bits=bits)[0]
+        assert at[f"DiLoCo H={h} ({bits}-bit)"][1] >= 0.9 > at[f"DiLoCo H={h - 1} ({bits}-bit)"][1]
+    gbit = a.link_for(a.INTELLECT_1, 0.83, H=100, bits=8)
+    assert a.break_even_H(a.INTELLECT_1, a.Sites(gbit=gbit * 1.001), 0.83, bits=8) <= 100
+    assert a.break_even_H(a.INTELLECT_1, a.Sites(gbit=gbit * 0.999), 0.83, bits=8) > 100
+    from distlab.hardware import Transformer
+    p, q = a.powersgd_numbers(Transformer(1, 8, 2, 16, 10), rank=1)
+    # q, k, v, o (8x8), two ffn (16x8), two vocab (10x8): rank 1 sends n and m numbers each
+    assert (p, q) == (4 * 8 + 2 * 16 + 2 * 10, 8 * 8)
