@@ -24,17 +24,18 @@ lab: $(STAMP) $(VENV)/.distlab-ft-installed
 
 # nbgrader is an instructor's tool: installed for the tests that prove the workbooks grade, not by
 # `make lab` (learners would see its menus).
-# Four pytest workers, one file (one notebook) per worker at a time, the longest files first
+# Six pytest workers, one file (one notebook) per worker at a time, the longest files first
 # (tests/budget_walls.json): much of a test's wall time is ranks waiting on each other, kernels
-# and torchrun starting, so four share 2 cores well (measured on 2 quiet cores: three workers
-# kept 1.27 cores busy on average, four 1.64, each of the four busy within 5 % of the others). `make test WORKERS=0` runs them in one.
+# and torchrun starting, so several share 2 cores well (measured on 2 quiet cores: three workers
+# kept 1.27 cores busy, four 1.64; with the shared kernels, five 7:30 and six 7:23 for the same
+# suite). `make test WORKERS=0` runs them in one.
 # nbval runs the chapters (notebooks/) in one kernel per worker, put back as new between two
 # chapters (DISTLAB_SHARED_KERNEL, tests/shared_kernel.py: a kernel is ≈ 5 CPU-s before the first
 # line runs); the solved workbooks run in ONE kernel, judged by nbval's rules
 # (tests/test_solutions.py); test-portable runs nbval itself, a kernel per notebook, on both.
 # PYTHONDONTWRITEBYTECODE emptied: where a machine sets it, every one of the suite's processes
 # compiled the course and rewrote the tests' asserts again (≈ 4 CPU-s per pytest worker).
-WORKERS ?= 4
+WORKERS ?= 6
 test: $(STAMP) $(VENV)/.distlab-grading-installed $(VENV)/.distlab-hta-installed \
 		$(VENV)/.distlab-ft-installed
 	DISTLAB_NO_PROGRESS=1 DISTLAB_SHARED_KERNEL=1 PYTHONDONTWRITEBYTECODE= $(PY) -m pytest tests notebooks $(NBVAL) --timeout=900 -q \
