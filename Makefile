@@ -35,10 +35,12 @@ lab: $(STAMP) $(VENV)/.distlab-ft-installed
 # (tests/test_solutions.py); test-portable runs nbval itself, a kernel per notebook, on both.
 # PYTHONDONTWRITEBYTECODE emptied: where a machine sets it, every one of the suite's processes
 # compiled the course and rewrote the tests' asserts again (≈ 4 CPU-s per pytest worker).
+# tests/fast_imports.py: what each test process need not import (≈ 1.7 CPU-s each).
 WORKERS ?= 6
 test: $(STAMP) $(VENV)/.distlab-grading-installed $(VENV)/.distlab-hta-installed \
 		$(VENV)/.distlab-ft-installed
-	DISTLAB_NO_PROGRESS=1 DISTLAB_SHARED_KERNEL=1 PYTHONDONTWRITEBYTECODE= $(PY) -m pytest tests notebooks $(NBVAL) --timeout=900 -q \
+	DISTLAB_NO_PROGRESS=1 DISTLAB_SHARED_KERNEL=1 PYTHONDONTWRITEBYTECODE= PYTHONPATH=tests \
+		$(PY) -m pytest -p fast_imports tests notebooks $(NBVAL) --timeout=900 -q \
 		$(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
 # make test, then each file's wall seconds written to tests/budget_walls.json (the order in which
@@ -54,7 +56,7 @@ PERTURBED := $(shell grep -v '^\s*\#' tests/perturbed.env | grep '=')
 # `-p conftest` (tests/ on the path): tests/conftest.py's retry of a kernel that dies at birth
 # (a port taken between its choice and its bind), which `make test` gets by collecting tests/.
 test-portable: $(STAMP) $(VENV)/.distlab-hta-installed $(VENV)/.distlab-ft-installed
-	env $(PERTURBED) DISTLAB_NO_PROGRESS=1 PYTHONDONTWRITEBYTECODE= PYTHONPATH=tests $(PY) -m pytest -p conftest \
+	env $(PERTURBED) DISTLAB_NO_PROGRESS=1 PYTHONDONTWRITEBYTECODE= PYTHONPATH=tests $(PY) -m pytest -p fast_imports -p conftest \
 		notebooks solutions $(NBVAL) --timeout=900 -q \
 		$(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
