@@ -360,3 +360,30 @@ def gpt_step(rank, world_size, layers=2, tokens=2048, vocab=64, overlap=True, bu
         with ddp.no_sync() if i < micro - 1 else contextlib.nullcontext():
             lm_loss(ddp(ids).float(), ids).backward()
     return ddp.last_timeline(), now() - start
+
+
+def weak_scaling(curves, world_sizes, alone, alone_preset="a100-node", shown=(8, 16, 256),
+                 say=print):
+    """Weak scaling of `gpt_step`, predicted from one-rank runs (chapter 05b, §2): for each curve,
+    the speedup N × (one rank's step) / (N ranks' step) at every N of `world_sizes`, the N-rank
+    step by `predict_step` on the cluster's link between N ranks.
+
+    `curves`: {label: (device preset of the one-rank run, cluster preset for N ranks, tokens per
+    rank, overlap)}; `alone`: {overlap: gpt_step's (timeline, seconds)} already run on one rank of
+    `alone_preset` with gpt_step's 2048 tokens, reused instead of run again. Each curve's speedup at
+    the ranks of `shown` goes to `say` as soon as it is known (an emulated run prints its one-line
+    banner where it happens, between those lines). Returns ({label: [speedup per N]}, {label: the
+    one-rank (timeline, seconds)})."""
+    from .emulate import PRESETS
+    from .launch import run
+    speedup, ones = {}, {}
+    for label, (device_preset, cluster_name, tokens, overlap) in curves.items():
+        one = ones[label] = alone[overlap] if (device_preset, tokens) == (alone_preset, 2048) else \
+            run(gpt_step, 1, tokens=tokens, overlap=overlap, emulate=device_preset)[0]
+        cluster = PRESETS[cluster_name]
+        speedup[label] = [n * one[1] / predict_step(*one, n, cluster.link_between(range(n)))
+                          for n in world_sizes]
+        say(f"{label:>26}: speedup at {', '.join(map(str, shown))} ranks: "
+            + ", ".join(f"{speedup[label][list(world_sizes).index(n)]:.1f}" for n in shown))
+    return speedup, ones
+

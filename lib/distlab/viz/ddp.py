@@ -1,12 +1,15 @@
 """Pictures of chapter 05, drawn from runs (measured or emulated): the compute/communication timeline of one
-backward pass per bucket, a bucket-size sweep, loss curves and per-rank step times; and the few
-lines of text printed beside them (what a run's trace or timelines say, in numbers), so that a
-cell of the chapter is its idea and one call, not twenty lines of bookkeeping."""
+backward pass per bucket, a bucket-size sweep, loss curves, per-rank step times and (chapter 05b)
+the scaling efficiency of a weak-scaling sweep; and the few lines of text printed beside them
+(what a run's trace or timelines say, in numbers), so that a cell of the chapter is its idea and
+one call, not twenty lines of bookkeeping."""
+import csv
+
 import matplotlib.pyplot as plt
 import torch
 from matplotlib.patches import Patch
 
-from ..data_parallel import predict_step
+from ..data_parallel import jitter_efficiency, predict_step
 from ..trace import _unit
 
 COMPUTE, COMM = "#4C72B0", "#DD8452"
@@ -202,4 +205,60 @@ def overlap_report(big, alone, cluster, nodes=2):
     lines.append(f"overlap off / on: {n} ranks on {'two' if nodes == 2 else nodes} nodes "
                  f"{_step(big[False]) / _step(big[True]):.2f} (emulated); {n // nodes} ranks in one "
                  f"node {in_node[False] / in_node[True]:.2f} (predicted)")
+    return "\n".join(lines)
+
+
+def scaling_efficiency(world_sizes, speedup, jitter=None, node=8, styles=None, ax=None,
+                       title="weak scaling"):
+    """Scaling efficiency (speedup / N) against N on a log2 axis, one line per curve of `speedup`
+    ({label: [speedup at each N of world_sizes]}, `distlab.data_parallel.weak_scaling`): 1 is
+    perfect, and a bend shows as a drop (a log-log speedup hides it). The first curve is drawn
+    wide with open circles, so a curve that coincides with it stays visible on top; `styles`
+    ({label: plot keywords}) changes any curve's look. `jitter`: also draw
+    `jitter_efficiency(N, jitter)`, the cost of waiting for the slowest rank when each rank's step
+    varies by that fraction (an assumption); `node`: where the ranks stop fitting in one node."""
+    ax = _axes(ax, (7.5, 4))
+    styles = styles or {}
+    for i, (label, ys) in enumerate(speedup.items()):
+        look = dict(ls="-", marker="o", ms=9, mfc="none", lw=3, alpha=0.5) if i == 0 else \
+            dict(ls="-", marker=".")
+        look.update(styles.get(label, {}))
+        ax.plot(world_sizes, [y / n for y, n in zip(ys, world_sizes)], label=f"{label} (predicted)",
+                **look)
+    if jitter is not None:
+        percent = f"{round(jitter * 100, 6):g} %"
+        ax.plot(world_sizes, [jitter_efficiency(n, jitter) for n in world_sizes], ":",
+                color="grey", label=f"overlap on, if each rank's step varied by {percent} (assumed)")
+    ax.axvline(node, color="black", lw=0.8, ls=":")
+    ax.annotate("one node | across nodes", (node, 1.01), ha="center", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0.75, 1.02)
+    ax.set_xlabel("ranks (GPUs)")
+    ax.set_ylabel("scaling efficiency (speedup / N)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower left")
+    return ax
+
+
+# nccl-tests' all_reduce bus bandwidth on A100 nodes, rows of bench/published.csv, beside the
+# emulate preset (and its number of ranks) that models the same GPUs
+NCCL_TESTS_A100 = (("8xA100 all_reduce busbw (large)", "a100-node", 8),
+                   ("2x DGX A100 all_reduce busbw (8 HDR NICs each)", "a100-2x8", 16))
+
+
+def busbw_beside_nccl_tests(published_csv, cases=NCCL_TESTS_A100):
+    """One line per (case, emulate preset, ranks) of `cases`: the preset's all_reduce bus
+    bandwidth between that many ranks beside what nccl-tests measured (the row `case` of
+    `published_csv`, bench/published.csv, with its source)."""
+    from ..emulate import PRESETS       # on first use: the emulator imports DTensor and sympy
+    with open(published_csv) as f:
+        published = {row["case"]: row for row in csv.DictReader(f)}
+    lines = []
+    for case, preset, n in cases:
+        row = published[case]
+        cluster = PRESETS[preset]
+        gpu = cluster.device.name.removeprefix("NVIDIA ").split()[0]     # "A100"
+        model = cluster.link_between(range(n)).busbw()
+        lines.append(f"all_reduce busbw, {n} {gpu}s: model {model / 1e9:.0f} GB/s, nccl-tests "
+                     f"{float(row['value']):.1f} GB/s ({row['source']})")
     return "\n".join(lines)
