@@ -541,7 +541,10 @@ def test_interrupting_a_jupyter_kernel_reaps_every_rank(tmp_path):
         assert "selectors.py" not in shown and "_supervise" not in shown, shown
         assert wait_gone(pids) == []
         # The kernel is still usable: the next launch works.
-        kc.execute_interactive("r = distlab.run(lambda rank, ws: rank, 2)", timeout=60)
+        reply = kc.execute_interactive("r = distlab.run(lambda rank, ws: rank, 2)", timeout=60)
+        assert reply["content"]["status"] == "ok", (reply["content"].get("ename"),
+                                                    reply["content"].get("evalue"),
+                                                    "\n".join(reply["content"].get("traceback", [])))
         reply = kc.execute_interactive("print(r)", timeout=60)
         assert reply["content"]["status"] == "ok"
     finally:
