@@ -499,3 +499,13 @@ def test_zero3_changes_the_70b_answer_as_chapter_10_says():
     text = _prose(_chapter())
     assert "In the planner, ZeRO-3 changes the answer for 70B" in text
     assert "For 13B the winner stays the same, with a fraction of the memory" in text
+    # what it charges for 70B's dp=32, resharding per micro-batch or keeping the weights
+    per_mb = layout.price("Llama-2 70B", 32, 1, 1, zero_stage=3, overlap_dp=False)
+    kept = layout.price("Llama-2 70B", 32, 1, 1, zero_stage=3, overlap_dp=False,
+                        keep_unsharded=True)
+    assert per_mb["micro_batches"] == 16 and best["Llama-2 70B", 3]["dp_s"] < 0.01
+    assert per_mb["dp_s"] < per_mb["compute_s"]
+    assert (f"16 reduce-scatters of 140 GB a step, {per_mb['dp_s']:.1f} s on the four nodes' "
+            f"NICs, all of it prefetched behind {per_mb['compute_s']:.1f} s of compute") in text
+    assert f"cuts the traffic to {kept['dp_s']:.1f} s" in text
+    assert f"fp32 gradient accumulators: {kept['gb']:.0f} GB" in text

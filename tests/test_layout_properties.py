@@ -148,3 +148,23 @@ def test_a_search_that_cannot_exist_is_refused_in_a_sentence(name, value):
     with pytest.raises((ValueError, TypeError)) as e:
         layout.rank_layouts("Llama-2 7B", **{name: value})
     assert name in str(e.value) and _sentence(e)
+
+
+@FAST
+@given(dp=st.sampled_from([2, 4, 8, 16]), pp=st.sampled_from([1, 2, 4]),
+       accumulate=st.sampled_from([1, 2, 8]), model=st.sampled_from(["Llama-2 13B", "Llama-2 70B"]))
+def test_fsdp_keeping_weights_gathered_trades_traffic_for_memory(dp, pp, accumulate, model):
+    # ZeRO-3 per micro-batch: 2·m all-gathers and m reduce-scatters a step; kept gathered: one
+    # of each, for the stage's bf16 weights and fp32 gradients held whole (6 bytes a parameter)
+    kw = dict(zero_stage=3, overlap_dp=False, global_batch=dp * accumulate, cluster="h100-cluster")
+    every = layout.price(model, dp, pp, 8, keep_unsharded=False, **kw)
+    kept = layout.price(model, dp, pp, 8, keep_unsharded=True, **kw)
+    m = every["micro_batches"]
+    assert kept["dp_s"] < every["dp_s"]
+    gather_and_scatter = every["dp_s"] / (3 * m)           # all-gather and reduce-scatter alike
+    assert kept["dp_s"] == pytest.approx(2 * gather_and_scatter, rel=1e-9)
+    assert kept["gb"] > every["gb"]
+    default = layout.price(model, dp, pp, 8, **kw)
+    assert default["gb"] == (kept if pp > 1 else every)["gb"]
+    zero1 = layout.price(model, dp, pp, 8, **{**kw, "zero_stage": 1})
+    assert every["gb"] < zero1["gb"]

@@ -30,6 +30,8 @@ import torch
 from .kernels import FA2_A100, FA2_H100, AttentionKernel, AttentionShape
 
 _F32, _BF16, _F16, _F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+_FP8 = torch.float8_e4m3fn          # Hopper's FP8 tensor cores (e5m2 for gradients: same rate)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _US, _GB = 1e-6, 1e9
 
 
@@ -69,6 +71,8 @@ class Device:
     source: str = ""
     gemm_max: float = None
     attention: AttentionKernel = None
+    fp8_best: float = None
+    fp8_k_half: float = 0.0
 
     def __post_init__(self):
         owner = f"Device {self.name!r}"
@@ -90,6 +94,11 @@ class Device:
                   allow_none=True)
         _positive(owner, "memory_bytes", self.memory_bytes, allow_none=True)
         _positive(owner, "gemm_max", self.gemm_max, allow_none=True)
+        _positive(owner, "fp8_best", self.fp8_best, allow_none=True)
+        _positive(owner, "fp8_k_half", self.fp8_k_half, allow_zero=True)
+        if self.fp8_best is not None and (self.fp8_best > 1 or _FP8 not in self.flops):
+            raise ValueError(f"{owner}: fp8_best is a fraction of the FP8 peak, at most 1, and "
+                             f"needs flops[torch.float8_e4m3fn]; got {self.fp8_best!r}.")
         if self.gemm_max is not None and self.gemm_max > 1:
             raise ValueError(f"{owner}: gemm_max is a fraction of peak, at most 1; "
                              f"got {self.gemm_max!r}.")
@@ -116,6 +125,16 @@ class Device:
             _positive("gemm_efficiency", name, v)
         tiles = batch * m * n
         fill = tiles / (tiles + self.tile_half) if self.tile_half else 1.0
+        if dtype in _FP8_DTYPES:
+            if not self.has_fp8:
+                raise ValueError(f"{self.name} has no FP8 tensor cores in this model (FP8 "
+                                 f"matmuls need a Hopper-class part such as hardware.H100): "
+                                 f"price this part in bfloat16.")
+            # the same output tiles; an FP8 MMA consumes twice the depth per cycle, and a
+            # fine-grained-scaled kernel promotes its partial sums every 128 of it: its own
+            # asymptote and depth constant (DeepGEMM's table, below)
+            depth = k / (k + self.fp8_k_half) if self.fp8_k_half else 1.0
+            return self.fp8_best * fill * depth
         depth = k / (k + self.k_half) if self.k_half else 1.0
         eff = self.gemm_best * fill * depth
         if self.gemm_max is not None and dtype in (_BF16, _F16):
@@ -170,9 +189,15 @@ class Device:
         """The same device running another fused attention kernel (e.g. kernels.FA3_H100)."""
         return replace(self, attention=kernel)
 
+    @property
+    def has_fp8(self):
+        """Whether the model prices FP8 matmuls on this part (a peak and a fitted curve)."""
+        return self.fp8_best is not None and _FP8 in self.flops
+
     def ideal(self):
         """The same device at its datasheet: GEMMs at peak, datasheet HBM, no launch floor."""
         return replace(self, name=f"{self.name} (datasheet)", gemm_best=1.0, tile_half=0.0,
+                       fp8_best=1.0 if self.has_fp8 else None, fp8_k_half=0.0,
                        k_half=0.0, gemm_max=None, attention=None,
                        launch_floor=0.0, graph_floor=0.0,
                        memory_bandwidth=self.datasheet_memory_bandwidth or self.memory_bandwidth)
@@ -190,7 +215,10 @@ class Device:
 # at 3.35 TB/s (H100 SXM), HBM3e 141 GB at 4.8 TB/s (H200 SXM). Tabulated together in
 # stas00/ml-engineering compute/accelerator/README.md ("TFLOPS comparison table").
 _A100_PEAK = {_F32: 19.5e12, _BF16: 312e12, _F16: 312e12, _F64: 9.7e12}
-_H100_PEAK = {_F32: 67e12, _BF16: 989e12, _F16: 989e12, _F64: 34e12}
+# FP8 (E4M3 and E5M2, dense): 1,979 TFLOP/s on H100 and H200 SXM (the same datasheets; 3,958 with
+# sparsity); the A100 has no FP8 tensor cores.
+_H100_PEAK = {_F32: 67e12, _BF16: 989e12, _F16: 989e12, _F64: 34e12,
+              _FP8: 1979e12, torch.float8_e5m2: 1979e12}
 
 # The GEMM curve (best, tile_half, k_half): FITTED to three rows of OpenXLA's measured sm_90
 # (H100 SXM) bf16 matmul table (tensorflow/tensorflow third_party/xla/xla/service/gpu/model/
@@ -220,6 +248,16 @@ _EAGER_FLOOR, _GRAPH_FLOOR = 10 * _US, 3 * _US
 # `calibration` rows in bench/published.csv (they were validation rows of the curve until the
 # cap was fitted to them — issue 43: large H100 GEMMs came out at 855-888 TFLOP/s).
 _MAMF = {"A100": 271.2 / 312, "H100": 794.5 / 989, "H200": 828.6 / 989}
+# FP8 matmuls: the curve's asymptote and depth constant FITTED to two rows of DeepGEMM's measured
+# table (deepseek-ai/DeepGEMM README.md, "Normal GEMMs for dense models", Feb. 2025 version: FP8
+# with fine-grained 1×128 scaling, H800 with NVCC 12.8 — the H800 is an H100 SXM with fewer NVLinks:
+# the same SMs and clocks): 4096×7168×16384 at 1,358 TFLOP/s and 4096×32768×512 at 590, marked
+# `calibration` in bench/published.csv: best 0.743 of the 1,979 FP8 peak, k_half 755 (2.5× the
+# bf16 curve's 296: an FP8 MMA consumes twice the depth per cycle and promotes every 128). The
+# output-tile constant is the bf16 curve's (an ESTIMATE: the same tiles), held against the table's
+# other shapes (`fit-check` rows: same source). cuBLAS's per-tensor-scaled FP8 (TransformerEngine,
+# torchao) is not in the table: the same curve is used for it (an ESTIMATE).
+_FP8_BEST, _FP8_K_HALF = 0.743, 755
 
 A100 = Device("NVIDIA A100 SXM 80GB", _A100_PEAK, 1.80e12, gemm_best=_GEMM_BEST,
               tile_half=_TILE_HALF * 108 / 132, k_half=_K_HALF, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
@@ -229,11 +267,13 @@ A100 = Device("NVIDIA A100 SXM 80GB", _A100_PEAK, 1.80e12, gemm_best=_GEMM_BEST,
 H100 = Device("NVIDIA H100 SXM", _H100_PEAK, 0.90 * 3.35e12, gemm_best=_GEMM_BEST,
               tile_half=_TILE_HALF, k_half=_K_HALF, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
               datasheet_memory_bandwidth=3.35e12, memory_bytes=80e9,
+              fp8_best=_FP8_BEST, fp8_k_half=_FP8_K_HALF,
               gemm_max=_MAMF["H100"], attention=FA2_H100,
               source="H100 datasheet; GEMM curve fitted to OpenXLA sm_90")
 H200 = Device("NVIDIA H200 SXM", _H100_PEAK, 0.90 * 4.8e12, gemm_best=_GEMM_BEST,
               tile_half=_TILE_HALF, k_half=_K_HALF, launch_floor=_EAGER_FLOOR, graph_floor=_GRAPH_FLOOR,
               datasheet_memory_bandwidth=4.8e12, memory_bytes=141e9,
+              fp8_best=_FP8_BEST, fp8_k_half=_FP8_K_HALF,
               gemm_max=_MAMF["H200"], attention=FA2_H100,
               source="H200 datasheet; H100's GEMM curve and attention kernel (same die)")
 # The H100s of torchtitan's published H100 runs (Meta's Grand Teton hosts): "96GB HBM2e with

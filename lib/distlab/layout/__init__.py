@@ -44,11 +44,17 @@ Time of one step (every term a function below, each pinned by tests/test_layout.
   drain's 2·(pp − 1), and whatever of the others outlasts a micro-batch's compute;
 - data parallel: the bf16 gradients reduced over the dp·cp ranks holding the same shard, in
   buckets (25 MiB, DDP's default); `overlap_dp`: every bucket but the last hides behind the last
-  micro-batch's backward (the only backward that produces final gradients), else all exposed;
+  micro-batch's backward (the only backward that produces final gradients), else all exposed.
+  ZeRO-3 (`zero_stage=3`, FSDP): every layer's weights all-gathered in forward and again in
+  backward and its gradients reduce-scattered, for every micro-batch — or once a step when a
+  stage keeps its weights gathered and defers the reduction to the last backward
+  (`keep_unsharded`, the default under pp as in torchtitan, at 2 + 4 bytes a parameter held);
+  `overlap_dp`: prefetched behind the step's compute but for the first layer's gather;
 - the optimizer step: Adam's update reads and writes every (ZeRO-sharded) state at HBM speed.
 
 Memory of one GPU: model states (bf16 weights and gradients, fp32 master and Adam moments;
-ZeRO-`zero_stage` over dp·cp) of its stage's layers/tp plus the embedding or head; activations
+ZeRO-`zero_stage` over dp·cp; under `keep_unsharded` the stage's bf16 weights and fp32 gradient
+accumulators whole besides) of its stage's layers/tp plus the embedding or head; activations
 by memory.activation_breakdown (Korthikanti's accounting with tp, SP, GQA, recompute) for the
 micro-batches 1F1B keeps in flight (min(m, pp) on the first stage, × (1 + (pp−1)/(pp·v))
 interleaved: Korthikanti §4.2.3); the peak adds what exists only for a moment: with full

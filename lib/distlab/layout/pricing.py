@@ -45,7 +45,8 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
           sequence_parallel=True, interleave=1, overlap_dp=True, overlap_tp=False,
           overlap_cp=True, vocab_parallel=True, attention="flash", fused=True, sustained=None,
           optimizer="adam", bucket_bytes=BUCKET_BYTES, dp_messages=None, schedule="1f1b",
-          dropout=False, scatter_gather=True, overlap_pp=False, grad_bytes=2):
+          dropout=False, scatter_gather=True, overlap_pp=False, grad_bytes=2,
+          keep_unsharded=None):
     """Seconds per step (split into compute, bubble, tp, cp, pp, dp, optimizer) and GB per GPU
     (peak and steady; `peak_parts`: the peak's model states, saved activations, one layer
     recomputed under full recompute, and logits, in GB) of one layout, on the calibrated `cluster` (a preset name or a
@@ -65,7 +66,14 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     `checkpointing="selective-op"`: torchtitan's op-level policy (memory.activation_breakdown).
     `grad_bytes`: bytes of a gradient (2: bf16; 4: fp32, Megatron-LM's default with --bf16, which
     accumulates and reduces gradients in fp32 `main_grad` buffers). Layers that pp does not
-    divide (Llama 3 405B's 126 at pp 8) are priced on the heaviest stage, ceil(layers / pp)."""
+    divide (Llama 3 405B's 126 at pp 8) are priced on the heaviest stage, ceil(layers / pp).
+    `keep_unsharded` (zero_stage=3): FSDP keeps a stage's weights gathered from the first
+    micro-batch's forward to the last backward and accumulates its unsharded gradients in fp32
+    until the last backward reduce-scatters them — one all-gather and one reduce-scatter a step
+    for 2 + 4 bytes a parameter held; False: every micro-batch gathers its weights forward and
+    again backward and reduce-scatters its gradients (2·m all-gathers, m reduce-scatters).
+    None (the default): kept when pp > 1, torchtitan's default (reshard_after_forward = not
+    pp_enabled; torch's pipeline stages defer the gradient sync to the last backward)."""
     shape, n = shape_of(model)
     _check_layout(shape, dp, pp, tp, cp, gpus_per_node, global_batch, seq_len, micro_batch,
                   value_bytes)
@@ -107,8 +115,16 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     # the largest unit being the head (vocabulary × hidden) or a layer, and the next layer
     # prefetched (2 bytes) — an ESTIMATE of FSDP2's peak buffers, not a measurement
     buffers = 0.0
-    if zero_stage == 3 and dp * cp > 1:
+    fsdp = zero_stage == 3 and dp * cp > 1
+    keep = fsdp and (pp > 1 if keep_unsharded is None else bool(keep_unsharded))
+    if fsdp:
         buffers = 8 * max(per_layer / tp, vocab_rows * h) + 2 * per_layer / tp
+    if keep:
+        # the stage's bf16 weights and fp32 gradient accumulators, whole, for the whole step
+        # (FSDP2 upcasts an unsharded gradient to reduce_dtype when its sync is deferred)
+        held = {k: (2 + 4) * p for k, p in (("first", first), ("last", last))}
+        states = {k: states[k] + held[k] for k in states}
+        buffers = 0.0
     act_kw = dict(tp=tp, sequence_parallel=sequence_parallel, kv_heads=shape.kv_heads,
                   glu=shape.glu, ffn_mult=shape.ffn / h, dropout=dropout, attention=attention,
                   bytes_per_value=value_bytes)
@@ -221,15 +237,23 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
         dp_link = cluster.link_between(group)
         grads = item * max(first, last)
         messages = dp_messages or max(1, math.ceil(grads / bucket_bytes))
-        one_bucket = comm_seconds("all_reduce", grads / messages, dp * cp, dp_link)
-        total = messages * one_bucket
-        if zero_stage == 3:        # weights all-gathered forward and backward, prefetched
-            total += 2 * comm_seconds("all_gather", grads, dp * cp, dp_link)
-        if overlap_dp:
-            window = compute / m * (2 / 3)      # the last micro-batch's backward
-            dp_time = max(one_bucket, total - window * (1 - 1 / messages))
+        if fsdp:
+            # FSDP: weights all-gathered layer by layer and gradients reduce-scattered, once a
+            # step (keep) or per micro-batch, all of it prefetched behind the step's compute
+            # but the first layer's gather
+            rounds = 1 if keep else m
+            total = rounds * comm_seconds("reduce_scatter", grads, dp * cp, dp_link)
+            total += (1 if keep else 2 * m) * comm_seconds("all_gather", grads, dp * cp, dp_link)
+            first_gather = comm_seconds("all_gather", item * per_layer / tp, dp * cp, dp_link)
+            dp_time = max(first_gather, total - compute) if overlap_dp else total
         else:
-            dp_time = total
+            one_bucket = comm_seconds("all_reduce", grads / messages, dp * cp, dp_link)
+            total = messages * one_bucket
+            if overlap_dp:
+                window = compute / m * (2 / 3)      # the last micro-batch's backward
+                dp_time = max(one_bucket, total - window * (1 - 1 / messages))
+            else:
+                dp_time = total
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_BYTES)}; got {optimizer!r}.")
     shard = dp * cp if (zero_stage >= 1 and optimizer == "adam") else 1
