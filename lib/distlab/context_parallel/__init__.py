@@ -39,8 +39,9 @@ planner (`distlab.layout.price` with `cp=`, `checkpointing=`, `sequence_parallel
 
 One module per idea: `layouts` (which tokens a rank holds), `plan` (what a causal mask leaves of
 a pair of blocks), `blocks` (one block's kernels, merge, a piece's gradient), `exchange` (hops
-and gathers between ranks), `ring`, `all_gather`, `closed_forms`. Every name is re-exported
-here, so `distlab.context_parallel.ring_attention` is where it always was.
+and gathers between ranks), `ring`, `documents` (the ring over packed documents: a document
+mask, whole blocks skipped), `all_gather`, `closed_forms`. Every name is re-exported here, so
+`distlab.context_parallel.ring_attention` is where it always was.
 """
 from .layouts import (_check_divides, causal_work, contiguous_positions, striped_positions,
                       zigzag_positions)
@@ -54,3 +55,5 @@ from .exchange import (_all_positions, _block_lengths, _gather_tokens, _pad_toke
 from .ring import RingAttention, ring_attention
 from .all_gather import _GatherSequence, _LocalAttention, all_gather_attention, document_attention
 from .closed_forms import overlap_block_length, overlap_condition, ring_step_seconds
+from .documents import (DocumentRingAttention, RingStep, document_plan, document_ring_attention,
+                        document_zigzag_positions)
