@@ -41,3 +41,4 @@ from .split_backward import _input_gradients, _vjp_root, _weight_gradients, _wei
 from .stage import (ACTIVATION, GRADIENT, PipelineStage, _common_clock, _now, _output_shapes,
                     micro_batch_sizes, split_model)
 from .training import sum_dual_copies, train
+from .fsdp import ShardedStage, pp_dp_mesh, train_sharded  # stages sharded over dp (fsdp)
