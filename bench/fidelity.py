@@ -164,12 +164,16 @@ def _model(c):
 def _train_refusals(c):
     if c.get("recompute", "unstated") in ("unstated", "selective-every-n-blocks"):
         raise NotPriced(f"recompute {c.get('recompute', 'unstated')}: not priced without it")
-    vp = c.get("vp", "1")
-    if vp not in ("1", "n/a") or c.get("schedule") == "interleaved-1f1b":
-        raise NotPriced("an interleaved pipeline schedule is not in hardware.step_seconds")
+    if c.get("schedule") == "interleaved-1f1b" and c.get("vp", "1") in ("1", "n/a"):
+        raise NotPriced("an interleaved schedule whose chunks per stage are not stated")
     for key in ("layers", "hidden", "heads", "vocab", "batch", "seq", "gpus"):
         if not c.get(key, "").isdigit():
             raise NotPriced(f"its {key} is not stated")
+
+
+def _interleave(c):
+    vp = c.get("vp", "1")
+    return 1 if vp in ("1", "n/a") else int(vp)
 
 
 def predict_train(c):
@@ -187,7 +191,7 @@ def predict_train(c):
         parts = hardware.step_seconds(
             model, _cluster(c), n, batch, seq, tp=tp, pp=pp, micro_batch=micro,
             recompute=c["recompute"], flash=c.get("flash", "1") == "1",
-            fsdp=c.get("fsdp") == "1", cp=cp,
+            fsdp=c.get("fsdp") == "1", cp=cp, interleave=_interleave(c),
             precision="fp8" if c.get("precision", "bf16").startswith("fp8") else "bf16",
             fp8_allgather=c.get("fp8_allgather") == "1",
             fused=c.get("fused", "1" if c.get("compile") == "1" or "stack" not in c
@@ -225,6 +229,7 @@ def predict_memory(c):
     recompute = {"selective-op": "selective-op"}.get(c["recompute"], c["recompute"])
     try:
         priced = layout.price(model, dp, pp, tp, cp=cp, global_batch=batch, seq_len=seq,
+                              interleave=_interleave(c),
                               micro_batch=micro, zero_stage=3 if c.get("fsdp") == "1" else 1,
                               checkpointing=recompute, cluster=_cluster(c))
     except ValueError as e:

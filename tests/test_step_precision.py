@@ -91,6 +91,7 @@ def test_long_sequences_hide_the_ring_behind_attention_and_short_ones_do_not():
     (lambda: step(seq_len=8190, cp=4), "multiple of 4"),
     (lambda: step(n_gpus=8, cp=3, seq_len=8190), "tp×pp×cp"),
     (lambda: step(cp=0), "cp must be a whole number"),
+    (lambda: step(interleave=2), "needs pp > 1"),
     (lambda: A100.gemm_seconds(64, 64, 64, FP8), "no FP8 tensor cores"),
 ])
 def test_fp8_and_cp_misuse_is_refused_in_one_sentence(call, words):
@@ -102,3 +103,17 @@ def test_fp8_and_cp_misuse_is_refused_in_one_sentence(call, words):
 def test_only_hopper_parts_price_fp8():
     assert H100.has_fp8 and H200.has_fp8 and not A100.has_fp8
     assert H100.ideal().gemm_efficiency(4096, 4096, 4096, FP8) == 1.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(pp=st.sampled_from([2, 4, 8]), v=st.sampled_from([2, 4, 5]), m=st.sampled_from([8, 16, 32]))
+def test_interleaving_divides_the_bubble_and_multiplies_the_messages(pp, v, m):
+    # Narayanan et al. 2021 §2.2: v chunks per stage, bubble (pp − 1)/(v·m), 2·(v·m + pp − 1)
+    # stage-to-stage messages; the compute does not change
+    kw = dict(n_gpus=pp, global_batch=m, seq_len=4096, pp=pp, fsdp=False, recompute="full",
+              cluster=hardware.PRESETS["h100-cluster"])
+    one = hardware.step_seconds(LLAMA_8B, **kw)
+    many = hardware.step_seconds(LLAMA_8B, interleave=v, **kw)
+    assert many["compute"] == one["compute"]
+    assert many["bubble"] == pytest.approx(one["bubble"] / v, rel=1e-12)
+    assert many["pp"] == pytest.approx(one["pp"] * (v * m + pp - 1) / (m + pp - 1), rel=1e-12)

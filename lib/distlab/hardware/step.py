@@ -43,7 +43,8 @@ SUSTAINED = 0.95
 
 def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micro_batch=1,
                  recompute="full", flash=True, dtype=_BF16, overlap_dp=False, fsdp=False,
-                 fused=True, sustained=None, cp=1, precision="bf16", fp8_allgather=False):
+                 fused=True, sustained=None, cp=1, precision="bf16", fp8_allgather=False,
+                 interleave=1):
     """Modeled seconds of one training step of `model` on `n_gpus` of `cluster` under
     (dp, tp, pp) with 1F1B: every GEMM at the device's shape-dependent efficiency, elementwise
     work at HBM speed, tensor-parallel all-reduces on the critical path, the pipeline bubble,
@@ -77,9 +78,12 @@ def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micr
     each weight cast once per micro-batch (read 2 bytes, write 1 and its transpose).
     `fp8_allgather`: FSDP all-gathers the weights in FP8 (1 byte a parameter; torchtitan's
     enable_fsdp_float8_all_gather).
+    interleave: v model chunks per pipeline stage (Megatron's interleaved 1F1B, Narayanan et al.
+    2021 §2.2): the bubble falls to (pp − 1)/(v·m) of the stage's work and the stage-to-stage
+    messages grow to 2·(v·m + pp − 1).
     A small model, not a simulator: bench/fidelity.py says how small."""
     _check_step(model, cluster, n_gpus, global_batch, seq_len, tp, pp, micro_batch, recompute,
-                cp, precision, fp8_allgather, fsdp)
+                cp, precision, fp8_allgather, fsdp, interleave)
     dev, h, s, b = cluster.device, model.hidden, seq_len, micro_batch
     dp = n_gpus // (tp * pp * cp)
     m = global_batch // (dp * b)                      # micro-batches per pipeline
@@ -153,12 +157,14 @@ def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micr
     # vocabulary: the LM head on the last stage (fwd + bwd), vocab-parallel over tp
     compute += m * 3 * gemm(t, h, model.vocab // tp)
     cp_comm = m * layers_per_stage * cp_exposed
-    bubble = compute * (pp - 1) / m
+    v = interleave
+    bubble = compute * (pp - 1) / (v * m)
     tp_link = cluster.link_between(range(tp))
     tp_per_layer = (2 * passes - 2) if tp > 1 else 0          # 2 per forward-like pass
     tp_comm = m * layers_per_stage * tp_per_layer * tp_link.seconds("all_reduce", item * t * h, tp)
     pp_link = cluster.link_between([0, tp * (n_gpus // (tp * pp))]) if pp > 1 else None
-    pp_comm = 0.0 if pp == 1 else (m + pp - 1) * 2 * pp_link.seconds("send", item * t * h / tp, 2)
+    pp_comm = 0.0 if pp == 1 else (v * m + pp - 1) * 2 * pp_link.seconds("send", item * t * h / tp,
+                                                                          2)
     # a data-parallel group strides by tp·pp: its members sit on different nodes once tp·pp
     # fills a node, one per node; under cp the gradients are reduced over dp·cp ranks
     shards = dp * cp
@@ -181,7 +187,7 @@ def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micr
 
 
 def _check_step(model, cluster, n_gpus, global_batch, seq_len, tp, pp, micro_batch, recompute,
-                cp=1, precision="bf16", fp8_allgather=False, fsdp=False):
+                cp=1, precision="bf16", fp8_allgather=False, fsdp=False, interleave=1):
     """Refuse a layout the model cannot price, in one sentence that says what to change: a
     floor division would otherwise model fewer GPUs or samples than asked, or divide by zero."""
     if not isinstance(model, Transformer):
@@ -192,12 +198,15 @@ def _check_step(model, cluster, n_gpus, global_batch, seq_len, tp, pp, micro_bat
                          f"hardware.PRESETS['h100-node']; got {cluster!r}.")
     for name, value in (("n_gpus", n_gpus), ("global_batch", global_batch),
                         ("seq_len", seq_len), ("tp", tp), ("pp", pp),
-                        ("micro_batch", micro_batch), ("cp", cp)):
+                        ("micro_batch", micro_batch), ("cp", cp), ("interleave", interleave)):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise ValueError(f"step_seconds: {name} must be a whole number >= 1; got {value!r}.")
     if recompute not in ("none", "selective", "selective-op", "full"):
         raise ValueError(f"recompute must be 'none', 'selective', 'selective-op' or 'full'; "
                          f"got {recompute!r}.")
+    if interleave > 1 and pp == 1:
+        raise ValueError(f"interleave={interleave} splits each pipeline stage into model chunks: "
+                         f"it needs pp > 1.")
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"precision must be 'bf16' or 'fp8'; got {precision!r}.")
     if precision == "fp8" and not cluster.device.has_fp8:
