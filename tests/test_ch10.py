@@ -509,3 +509,37 @@ def test_zero3_changes_the_70b_answer_as_chapter_10_says():
             f"NICs, all of it prefetched behind {per_mb['compute_s']:.1f} s of compute") in text
     assert f"cuts the traffic to {kept['dp_s']:.1f} s" in text
     assert f"fp32 gradient accumulators: {kept['gb']:.0f} GB" in text
+
+
+def test_which_axis_runs_out_first_as_chapter_10_says():
+    """Chapter 10's axis tables: on 8 NICs a node the batch runs out first (dp alone up to one
+    sequence per GPU, the micro-batch's tokens about twice T*), on one NIC a node the link does
+    (T* about four micro-batches, dp alone slower from 64 GPUs on). Held against the closed form
+    and against the stored prose."""
+    import torch
+    from distlab import hardware, layout, zero_memory
+    sizes = [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    F = (hardware.H100.peak(torch.bfloat16) * hardware.H100.gemm_efficiency(4096, 28672, 8192)
+         * hardware.SUSTAINED)
+    full = hardware.PRESETS["h100-cluster"]
+    thin = hardware.Cluster("thin", hardware.H100, hardware.NVLINK4, hardware.IB_NDR, 8, "",
+                            nics_per_node=1)
+    t_full, t_thin = (zero_memory.comm_bound_tokens(F, c.link_between(range(64)).bandwidth, 64)
+                      for c in (full, thin))
+    assert 1.8 < 4096 / t_full < 2.2 and 3.5 < t_thin / 4096 < 4.5
+    rows = layout.axis_table("Llama-2 70B", sizes, 1024, zero_stage=3, cluster=full)
+    for r in rows:
+        if r["gpus"] <= 1024:
+            assert (r["dp"], r["pp"], r["tp"]) == (r["gpus"], 1, 1) and r["why"].startswith("dp")
+        else:
+            assert r["dp"] <= 1024 and r["why"].startswith("batch")
+    assert 0.45 < rows[-1]["not_compute"] < 0.55                       # "half of the step"
+    assert rows[0]["mfu"] == pytest.approx(rows[4]["mfu"], abs=0.005)  # "at the same MFU"
+    thin_rows = layout.axis_table("Llama-2 70B", sizes, 1024, zero_stage=3, cluster=thin)
+    for r in thin_rows[:5]:
+        assert r["dp"] < r["gpus"] and r["why"].startswith("dp alone slower")
+    text = _prose(_chapter())
+    assert "On this fabric **the batch runs out first**" in text
+    assert "Here **the link runs out first**: T\\* is four times a micro-batch" in text
+    with pytest.raises(ValueError, match="whole nodes"):
+        layout.axis_table("Llama-2 70B", [12], 1024)

@@ -63,10 +63,11 @@ logits (bf16, their fp32 copy for the loss and its fp32 gradient: 10 bytes per l
 """
 # One module per idea: shapes.py (the models), search.py (which layouts exist),
 # layer_time.py (one layer's seconds), pricing.py (one layout's step and memory),
-# ranking.py (all of them, ranked).
+# ranking.py (all of them, ranked), scaling.py (which axis runs out first as GPUs grow).
 from .layer_time import _cluster, _gemm, _gemm_train, layer_seconds  # noqa: F401
 from .pricing import BUCKET_BYTES, LOGIT_BYTES, OPTIMIZER_BYTES, price  # noqa: F401
 from .ranking import best, rank_layouts, table  # noqa: F401
+from .scaling import axis_table, axis_text  # noqa: F401
 from .search import candidates, divisors  # noqa: F401
 from .shapes import (SHAPES, _BF16, _layer_params, _recompute, attention_flops,  # noqa: F401
                      layer_gemms, model_flops, shape_of)
