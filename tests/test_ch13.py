@@ -246,3 +246,88 @@ def test_across_sites_model_is_consistent():
     p, q = a.powersgd_numbers(Transformer(1, 8, 2, 16, 10), rank=1)
     # q, k, v, o (8x8), two ffn (16x8), two vocab (10x8): rank 1 sends n and m numbers each
     assert (p, q) == (4 * 8 + 2 * 16 + 2 * 10, 8 * 8)
+
+
+# ---- §4's real-size section: the sourced link constants, the stored tables and prose, emulated ----
+
+def _chapter():
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "13_slow_links_and_failures.ipynb"
+    return json.loads(path.read_text())["cells"]
+
+
+def _stored(marker, kind="code"):
+    """The stored text output (code) or the source (markdown) of the one cell holding `marker`."""
+    found = [c for c in _chapter() if c["cell_type"] == kind and marker in "".join(c["source"])]
+    assert len(found) == 1, f"{len(found)} {kind} cells of chapter 13 hold {marker!r}"
+    if kind == "markdown":
+        return "".join(found[0]["source"])
+    return "".join("".join(o.get("text", "")) for o in found[0]["outputs"])
+
+
+def test_cross_site_links_are_the_sourced_ones():
+    """Port speeds of AWS Direct Connect's dedicated connections; Azure's top North-American
+    round trip (quoted in across_sites' comments, which must keep naming them)."""
+    import inspect
+    from distlab import across_sites as a
+    assert a.LINK_GBIT == (1, 10, 100) and a.RTT_MS == 72.0
+    assert a.Sites().rtt_ms == a.RTT_MS and a.Sites().gbit in a.LINK_GBIT
+    link = a.Sites(gbit=1).link()
+    assert link.bandwidth == 1e9 / 8 and link.latency == 0.072
+    text = inspect.getsource(a)
+    for quote in ('"Dedicated connection 1 Gbps", "10 Gbps",', '"100 Gbps"',
+                  '"5 ms to 72 ms for round trips within North America regions"', "ESTIMATE"):
+        assert quote in text, quote
+    prose = _stored("AWS\nDirect Connect", kind="markdown")
+    assert "72 ms" in prose and "5 ms to 72 ms for round trips within North America regions" in prose
+
+
+def test_chapter_tables_and_prose_are_the_lib_numbers():
+    """Every line of the stored closed-form table is what across_sites computes now, and the
+    figures §4's prose quotes follow from it."""
+    from distlab import across_sites as a
+    stored = _stored("across_sites.step_times(shape")
+    shapes = {"1.5B (Llama-3.2 1B's shape, untied)": a.LLAMA_1B, "10B (INTELLECT-1's shape)": a.INTELLECT_1}
+    table = {}
+    for label, shape in shapes.items():
+        for gbit in a.LINK_GBIT:
+            steps, compute = a.step_times(shape, a.Sites(gbit=gbit))
+            table[label, gbit] = steps
+            assert f"{label}, {gbit} Gbit/s: a site's step alone {compute:.2f} s" in stored
+            for method, (seconds, u) in steps.items():
+                assert (f"   {method:>26}: {seconds:7.2f} s per step, compute utilisation "
+                        f"{u:4.0%}") in stored, (label, gbit, method)
+    pct = lambda u: round(100 * u)                                        # noqa: E731
+    psgd = [pct(t["PowerSGD rank 4 (bf16)"][1]) for t in table.values()]
+    prose = _stored("DDP across sites is hopeless", kind="markdown")
+    assert f"keeps {min(psgd)}–{max(psgd)} %" in prose
+    small = pct(table["1.5B (Llama-3.2 1B's shape, untied)", 100]["PowerSGD rank 4 (bf16)"][1])
+    assert f"model at {small} % even on 100 Gbit/s" in prose and "72 ms round trip" in prose
+    old = a.step_times(a.LLAMA_1B, a.Sites(gbit=100, rtt_ms=50))[0]["PowerSGD rank 4 (bf16)"][1]
+    assert f"it\nkept {pct(old)} %" in prose
+    summary = _stored("## Summary", kind="markdown")
+    kept = psgd + [pct(table[k]["DiLoCo H=500 (32-bit)"][1]) for k in table if k[1] <= 10]
+    assert f"keep {min(kept)}–{max(kept)} %" in summary
+
+
+def test_emulated_two_site_run_lands_on_the_closed_form():
+    """The emulated run (two ranks, one per site, meta tensors at full size, the course's DiLoCo):
+    DDP and PowerSGD equal the closed form; DiLoCo pays its outer step's arithmetic on top, under
+    1 % and less for larger H. The chapter's stored lines are these numbers."""
+    from distlab import across_sites as a
+    sites = a.Sites(gbit=10)
+    emulated = a.emulated_step_times(a.INTELLECT_1, sites)
+    closed = a.step_times(a.INTELLECT_1, sites)[0]
+    gaps = {m: emulated[m] / closed[m][0] - 1 for m in closed}
+    assert abs(gaps["DDP (bf16 gradients)"]) < 1e-9 and abs(gaps["PowerSGD rank 4 (bf16)"]) < 1e-9
+    dil = [gaps[f"DiLoCo H={H} (32-bit)"] for H in (10, 100, 500)]
+    assert 0 < dil[2] < dil[1] < dil[0] < 0.01
+    stored = _stored("emulated_step_times(")
+    assert "⏱ emulated:" in stored and "values not computed: meta tensors" in stored
+    for m, seconds in emulated.items():
+        verdict = "equal" if abs(gaps[m]) < 1e-9 else f"{gaps[m]:+.2%}"
+        assert (f"   {m:>26}: closed form {closed[m][0]:6.2f} s, emulated {seconds:6.2f} s "
+                f"({verdict})") in stored, m
+    assert "by a quarter of a percent at H = 10" in _stored("DDP and PowerSGD agree", "markdown")
+    assert round(100 * dil[0], 2) == 0.26

@@ -17,12 +17,28 @@ cross-site time is charged after the step, not hidden behind backward (DDP's wou
 much as one backward lasts; DiLoCo's could hide behind the next inner steps, which is what
 Streaming DiLoCo's overlap does — not modeled). The numbers are modeled with the course's
 hardware model, not measured: every table built from them says so.
+
+`emulated_step_times` runs the same comparison as code under the emulator: two ranks, each one
+site, on a Cluster whose only link between "nodes" is the sites' link; a site's step is charged
+from the closed form (`distlab.trace.compute`), the cross-site traffic by the all-reduces the
+code issues on meta tensors at full size — DiLoCo's through the course's `diloco.DiLoCo` itself.
 """
 from dataclasses import dataclass
 
 from . import hardware
 
 GBIT = 1e9 / 8              # bytes/s per Gbit/s
+
+# The cross-site links, as port speeds one can lease: AWS Direct Connect's pricing page
+# (aws.amazon.com/directconnect/pricing) lists "Dedicated connection 1 Gbps", "10 Gbps",
+# "100 Gbps" (and "400 Gbps") port hours. These are LINE RATES: what an all-reduce achieves over
+# a wide-area TCP path is lower (ESTIMATE: the model charges the line rate, an upper bound).
+LINK_GBIT = (1, 10, 100)
+# Round trip between two sites of one continent: Azure's "network round-trip latency statistics"
+# page (learn.microsoft.com/azure/networking/azure-network-latency, October 2019 figures):
+# "5 ms to 72 ms for round trips within North America regions", "3 ms to 28 ms ... within
+# Europe", "4 ms to 134 ms ... within Asia". We take 72 ms: two sites a continent apart.
+RTT_MS = 72.0
 
 # INTELLECT-1 (arXiv:2412.01152): a 10B Llama-3-style model (42 layers, hidden 4096, 32 heads,
 # 8 key/value heads, SwiGLU feed-forward 14336, vocabulary 128256: the report's appendix A).
@@ -54,10 +70,11 @@ def powersgd_numbers(model, rank):
 
 @dataclass(frozen=True)
 class Sites:
-    """Two sites of `gpus` H100s each, joined by a link of `gbit` Gbit/s and `rtt_ms` RTT."""
-    gpus: int = 64
+    """Two sites of `gpus` H100s each, joined by a link of `gbit` Gbit/s and `rtt_ms` RTT
+    (defaults: a 10 Gbit/s leased port and Azure's 72 ms North-American round trip, above)."""
+    gpus: int = 64              # ESTIMATE: 8 nodes of 8 H100s a site, a size chosen for the chapter
     gbit: float = 10.0
-    rtt_ms: float = 50.0
+    rtt_ms: float = RTT_MS
 
     def __post_init__(self):
         for name in ("gpus", "gbit", "rtt_ms"):
@@ -70,7 +87,8 @@ class Sites:
     def link(self):
         return hardware.Link(f"{self.gbit:g} Gbit/s between sites, {self.rtt_ms:g} ms RTT",
                              bandwidth=self.gbit * GBIT, latency=self.rtt_ms / 1e3,
-                             source="assumed (see the chapter): a leased wide-area link")
+                             source="port speed: AWS Direct Connect's 1/10/100 Gbps ports; RTT: "
+                                    "Azure's inter-region round-trip statistics")
 
     def cross(self, nbytes):
         """Seconds of an all-reduce of `nbytes` between the two sites (a ring of two)."""
@@ -116,3 +134,48 @@ def link_for(model, utilisation, H, bits, sites=Sites(), tokens_per_site=2 ** 21
     if seconds_for_bytes <= 0:
         raise ValueError(f"at H={H} the link's latency alone exceeds the sync time allowed")
     return model.params() * bits / 8 / seconds_for_bytes / GBIT
+
+
+def two_site_cluster(sites):
+    """The emulator's view of two sites: two 'nodes' of one rank each (a rank stands for a whole
+    site), joined by nothing but the sites' link (the legacy one-link model: nics_per_node=None)."""
+    return hardware.Cluster("two sites, one rank each", hardware.H100, hardware.NVLINK4,
+                            sites.link(), ranks_per_node=1, nodes=2,
+                            source="distlab.across_sites: one rank per site")
+
+
+def _emulated(rank, world_size, compute, params, pq, Hs, steps):
+    """One rank = one site: each step charges the site's compute (closed form), then issues the
+    cross-site traffic on meta tensors at full size. Returns seconds per step by method."""
+    import torch
+    import torch.distributed as dist
+    from . import diloco, trace
+
+    def per_step(n, after_compute):
+        start = trace.now()
+        for _ in range(n):
+            trace.compute(compute, "a site's step")
+            after_compute()
+        return (trace.now() - start) / n
+
+    grads = torch.empty(params, dtype=torch.bfloat16, device="meta")
+    out = {"DDP": per_step(steps, lambda: dist.all_reduce(grads))}
+    p, q = (torch.empty(n, dtype=torch.bfloat16, device="meta") for n in pq)
+    out["PowerSGD"] = per_step(steps, lambda: (dist.all_reduce(p), dist.all_reduce(q)))
+    for H in Hs:                # the course's DiLoCo, on a full-size fp32 replica on meta
+        replica = torch.nn.ParameterList([torch.nn.Parameter(torch.empty(params, device="meta"))])
+        out[H] = per_step(H, diloco.DiLoCo(replica, H, outer=diloco.plain_average).step)
+    return out
+
+
+def emulated_step_times(model, sites, tokens_per_site=2 ** 21, Hs=(10, 100, 500), rank=4,
+                        steps=4):
+    """`step_times`' table (fp32 pseudo-gradients), run as code under the emulator on
+    `two_site_cluster(sites)`: {method: seconds per step} (emulated, not measured)."""
+    import distlab
+    compute = inner_step(model, sites, tokens_per_site)
+    got = distlab.run(_emulated, 2, compute, model.params(), powersgd_numbers(model, rank),
+                      tuple(Hs), steps, emulate=two_site_cluster(sites), timeout=120)[0]
+    out = {"DDP (bf16 gradients)": got["DDP"], f"PowerSGD rank {rank} (bf16)": got["PowerSGD"]}
+    out.update({f"DiLoCo H={H} (32-bit)": got[H] for H in Hs})
+    return out
