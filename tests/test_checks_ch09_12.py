@@ -743,6 +743,104 @@ def test_ring_step_battery():
     assert "yours leaves out the latency" in said["decoy"][1]
 
 
+# ---- exercise 6: per-document zig-zag ------------------------------------------------------------------
+
+def per_document_loop(documents, rank, world_size):           # as the workbook's solution
+    parts = 2 * world_size
+    _, lengths = torch.unique_consecutive(documents, return_counts=True)
+    held, start = [], 0
+    for length in lengths.tolist():
+        chunk = length // parts
+        for i in (rank, parts - 1 - rank):
+            held.append(torch.arange(start + i * chunk, start + (i + 1) * chunk))
+        start += length
+    return torch.cat(held)
+
+
+def per_document_by_token(documents, rank, world_size):
+    """Differently written: token by token, each token's chunk of its own document; the
+    positions in another order (every document's early chunk first, then the late ones)."""
+    ids = documents.tolist()
+    early, late, start, i = [], [], 0, 0
+    while i < len(ids):
+        end = i
+        while end < len(ids) and ids[end] == ids[i]:
+            end += 1
+        chunk = (end - i) // (2 * world_size)
+        for p in range(i, end):
+            which = (p - i) // chunk
+            if which == rank:
+                early.append(p)
+            elif which == 2 * world_size - 1 - rank:
+                late.append(p)
+        i = end
+    return torch.tensor(early + late)
+
+
+def per_document_by_the_chapters_zigzag(documents, rank, world_size):
+    """Differently written: chapter 12's zig-zag of one sequence, applied to each document."""
+    ids = documents.tolist()
+    starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]] + [len(ids)]
+    return torch.cat([a + cp.zigzag_positions(b - a, rank, world_size)
+                      for a, b in zip(starts, starts[1:])])
+
+
+def per_document_without_offsets(documents, rank, world_size):
+    """Wrong: each chunk's positions counted from its document's start, not the sequence's."""
+    parts = 2 * world_size
+    _, lengths = torch.unique_consecutive(documents, return_counts=True)
+    return torch.cat([torch.arange(i * (n // parts), (i + 1) * (n // parts))
+                      for n in lengths.tolist() for i in (rank, parts - 1 - rank)])
+
+
+def per_document_off_by_one(documents, rank, world_size):
+    """Wrong: chunks r and 2N − r (for rank 0 one past its document's last chunk)."""
+    return _chunks_of(documents, (rank, 2 * world_size - rank), world_size)
+
+
+def _chunks_of(documents, which, world_size):
+    _, lengths = torch.unique_consecutive(documents, return_counts=True)
+    held, start = [], 0
+    for n in lengths.tolist():
+        c = n // (2 * world_size)
+        held += [torch.arange(start + i * c, start + (i + 1) * c) for i in which]
+        start += n
+    return torch.cat(held)
+
+
+def per_document_by_the_course(documents, rank, world_size):
+    return cp.document_zigzag_positions(documents, rank, world_size)
+
+
+def zigzag_of_the_whole_sequence(documents, rank, world_size):
+    """Decoy: chapter 12's zig-zag over the packed sequence; right on one document only."""
+    return cp.zigzag_positions(len(documents), rank, world_size)
+
+
+def chunks_r_and_n_plus_r(documents, rank, world_size):
+    """Decoy: two chunks of every document on every rank (the token counts balance, every
+    token once), but chunks r and N + r: the later ranks hold the later chunks."""
+    return _chunks_of(documents, (rank, world_size + rank), world_size)
+
+
+def mirrored_ranks(documents, rank, world_size):
+    """Decoy: balanced work, chunks N − 1 − r and N + r: another rank's pair of chunks."""
+    return per_document_loop(documents, world_size - 1 - rank, world_size)
+
+
+def test_per_document_zigzag_battery():
+    said = battery(ch12.check_per_document_zigzag, correct=[per_document_loop],
+                   different=[per_document_by_token, per_document_by_the_chapters_zigzag],
+                   wrong=[per_document_without_offsets, per_document_off_by_one],
+                   cheat=[per_document_by_the_course],
+                   decoy=[zigzag_of_the_whole_sequence, chunks_r_and_n_plus_r, mirrored_ranks])
+    assert "held twice by rank 0" in said["wrong"][0]
+    assert "course's own document_zigzag_positions" in said["cheat"][0]
+    assert "that is zig-zag over the whole sequence" in said["decoy"][0]
+    assert "busiest / mean" in said["decoy"][1]
+    assert "the work is balanced, but rank 0 holds" in said["decoy"][2]
+
+
 def test_workbook_12_stubs_are_reported_as_not_written():
     def stub(*args):
         raise NotImplementedError("exercise: replace this line with your code")
@@ -750,6 +848,7 @@ def test_workbook_12_stubs_are_reported_as_not_written():
     for check, args in ((ch12.check_online_softmax, (stub, stub)), (ch12.check_ring_hop, (stub,)),
                         (ch12.check_ring_attention_pass_q, (stub,)),
                         (ch12.check_ring_backward, (stub,)),
-                        (ch12.check_ring_step, (step_stub, crossover_by_bisection))):
+                        (ch12.check_ring_step, (step_stub, crossover_by_bisection)),
+                        (ch12.check_per_document_zigzag, (stub,))):
         with pytest.raises(NotImplementedError, match="is not written yet"):
             check(*args)

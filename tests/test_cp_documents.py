@@ -145,6 +145,26 @@ def test_one_document_plans_what_the_causal_ring_plans():
                     cp.plan_work(cp.block_plan(a, b, True))
 
 
+def _both_rings(rank, world_size):
+    positions = cp.zigzag_positions(16, rank, world_size)
+    q, k, v = [t[:, :, positions] for t in _inputs(16, 2, 2)]
+    plain, documents = [], []
+    out = cp.ring_attention(q, k, v, positions, causal=True, log=plain)
+    one = cp.document_ring_attention(q, k, v, positions, torch.zeros(len(positions),
+                                     dtype=torch.int64), log=documents)
+    return out, one, plain, documents
+
+
+def test_one_ring_for_both_masks():
+    """The packed-document ring is chapter 12's Function given another planner: with one
+    document it computes what the causal ring does, and logs the same work at every step (its
+    own block in three kernels where `block_plan` joins zig-zag's two chunks in one)."""
+    assert cp.DocumentRingAttention is cp.RingAttention
+    for out, one, plain, documents in distlab.run(_both_rings, 2, timeout=60):
+        torch.testing.assert_close(one, out, rtol=1e-12, atol=1e-12)
+        assert len(plain) == 2 and [s[:5] for s in plain] == [s[:5] for s in documents]
+
+
 def test_bad_input_is_refused_in_a_sentence():
     q = torch.zeros(B, 2, 4, D)
     with pytest.raises(ValueError, match=r"one document id per token of the block \(4\); got "

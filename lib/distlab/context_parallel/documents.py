@@ -3,35 +3,26 @@ only to its own document (and, causal, only to its earlier tokens). Production l
 training packs documents this way; FlashAttention's variable-length kernels take the boundaries
 as cu_seqlens, TransformerEngine's THD layout the same.
 
-The ring is chapter 12's (`RingAttention`), with one change: the plan of each ring step comes
-from positions AND document ids (`document_plan`). A visiting block that shares no document with
-this rank's queries (or only keys after them) is skipped whole — it still travels on, since the
-next rank may need it — and a block that shares some is cut into pieces of one document each,
-so every piece is again FULL, DIAGONAL or SKIP and runs on the flash kernels as before.
+The ring is chapter 12's `RingAttention` itself, given another planner: the plan of each ring
+step comes from positions AND document ids (`document_plan`). A visiting block that shares no
+document with this rank's queries (or only keys after them) is skipped whole — it still travels
+on, since the next rank may need it — and a block that shares some is cut into pieces of one
+document each, so every piece is again FULL, DIAGONAL or SKIP and runs on the flash kernels as
+before.
 
 `log=` (a list) receives one `RingStep` per forward step: which block, whether it was skipped,
 computed in full or masked, and the query-key pairs its kernels charged (a DIAGONAL piece half).
 The backward runs the same plans. `document_zigzag_positions` is the per-document zig-zag
 (TransformerEngine's `thd_get_partitioned_indices`, torch's `_PerDocumentHeadTailLoadBalancer`):
 every rank holds chunks r and 2N−1−r of EVERY document."""
-import collections
-import math
-
 import torch
-import torch.distributed as dist
 
 from .. import _argcheck as check
-from .blocks import (_add_rows, _as_q_heads, _attend_plan, _check_block, _grads, _lse_dtype,
-                     _rows, _sum_heads, merge)
-from .exchange import _all_positions, _gather_tokens, _positions_for, _shift, _wait
+from .blocks import _check_block
+from .exchange import _all_positions, _gather_tokens, _positions_for
 from .layouts import _check_layout
-from .plan import DIAGONAL, FULL, SKIP, _bounds, _cut, _pair, plan_work
-
-RingStep = collections.namedtuple("RingStep", "step block kind pairs size kernels")
-RingStep.__doc__ = """One forward ring step on one rank: the block (its owner's rank) in hand,
-kind "skip" (no query sees a key of it), "full" (every query sees every key) or "masked",
-`pairs` the query-key pairs its kernels charge, `size` the block's queries × keys, `kernels`
-how many flash kernels it ran."""
+from .plan import DIAGONAL, FULL, SKIP, _bounds, _cut, _pair
+from .ring import RingAttention, RingStep, _check_log  # noqa: F401  (RingStep: its log's entries)
 
 
 def _document_runs(positions, documents):
@@ -95,89 +86,8 @@ def document_plan(q_pos, k_pos, q_docs, k_docs, causal=True):
     return plan
 
 
-def _step_kind(plan, queries, keys):
-    if not plan:
-        return "skip"
-    if plan == [((0, queries), [((0, keys), FULL)])]:
-        return "full"
-    return "masked"
-
-
-class DocumentRingAttention(torch.autograd.Function):
-    """Chapter 12's ring, each step planned by `document_plan`: a block that no query of this
-    rank can see is skipped whole (it only passes through), the others run piece by piece."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, positions, documents, causal, group, log):
-        n, r = dist.get_world_size(group), dist.get_rank(group)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        lengths = [len(p) for p in positions]
-        owners = [(r - step) % n for step in range(n)]     # whose block is in hand at each step
-        plans = [document_plan(positions[r], positions[o], documents[r], documents[o], causal)
-                 for o in owners]
-        out = torch.zeros(q.shape, dtype=_lse_dtype(q), device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_lse_dtype(q), device=q.device)
-        blocks = (k, v)
-        for step, (owner, plan) in enumerate(zip(owners, plans)):
-            pending = (_shift(blocks, group, lengths[(owner - 1) % n]) if step < n - 1
-                       else None)                     # the next block travels, skipped or not
-            if plan:
-                for rows, o, l in _attend_plan(q, *_as_q_heads(q, blocks), positions[r],
-                                               positions[owner], plan, scale):
-                    merged, merged_lse = merge(_rows(out, rows), _rows(lse, rows), o, l)
-                    _rows(out, rows).copy_(merged)
-                    _rows(lse, rows).copy_(merged_lse)
-            if log is not None:
-                log.append(RingStep(step, owner, _step_kind(plan, q.shape[-2], lengths[owner]),
-                                    plan_work(plan), q.shape[-2] * lengths[owner],
-                                    sum(len(pieces) for _, pieces in plan)))
-            if pending is not None:
-                blocks, handles = pending
-                _wait(handles)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.positions, ctx.plans = group, scale, positions, plans
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, scale, positions, plans = ctx.group, ctx.scale, ctx.positions, ctx.plans
-        n, r = dist.get_world_size(group), dist.get_rank(group)
-        lengths = [len(p) for p in positions]
-        grad_out = grad_out.contiguous()
-        dq = torch.zeros_like(q)
-        blocks, arriving_grads = (k, v), None
-        for step, plan in enumerate(plans):
-            owner = (r - step) % n
-            arriving = lengths[(owner - 1) % n]
-            ahead = _shift(blocks, group, arriving) if step < n - 1 else None
-            mine = None                                # this rank's share of the block's dK, dV
-            if plan:
-                wide = _as_q_heads(q, blocks)
-                dk, dv = torch.zeros_like(wide[0]), torch.zeros_like(wide[1])
-                for rows, pieces in plan:
-                    for cols, kind in pieces:
-                        gq, gk, gv = _grads(q, *wide, positions[r], positions[owner], out, lse,
-                                            grad_out, rows, cols, kind, scale)
-                        dq = _add_rows(dq, rows, gq)
-                        dk, dv = _add_rows(dk, cols, gk), _add_rows(dv, cols, gv)
-                mine = _sum_heads(dk, k.shape[1]), _sum_heads(dv, k.shape[1])
-            if arriving_grads is not None:            # the block's gradient so far, from the left
-                (dk_in, dv_in), handles = arriving_grads
-                _wait(handles)
-                dk, dv = (dk_in, dv_in) if mine is None else (mine[0].add_(dk_in),
-                                                               mine[1].add_(dv_in))
-            else:
-                dk, dv = mine if mine is not None else (torch.zeros_like(blocks[0]),
-                                                        torch.zeros_like(blocks[1]))
-            arriving_grads = _shift((dk, dv), group, arriving) if n > 1 else ((dk, dv), [])
-            if ahead is not None:
-                blocks, handles = ahead
-                _wait(handles)
-        (dk, dv), handles = arriving_grads
-        _wait(handles)
-        return dq, dk, dv, None, None, None, None, None
+# Chapter 12's ring, each step planned by `document_plan`: one Function for every mask.
+DocumentRingAttention = RingAttention
 
 
 def document_ring_attention(q, k, v, positions, documents, causal=True, group=None, log=None):
@@ -189,14 +99,15 @@ def document_ring_attention(q, k, v, positions, documents, causal=True, group=No
     if documents.shape != positions.shape:
         raise ValueError(f"documents must give one document id per token of the block "
                          f"({len(positions)}); got shape {tuple(documents.shape)}.")
-    if log is not None and not isinstance(log, list):
-        raise TypeError(f"log must be a list (each forward step appends a RingStep) or None; "
-                        f"got a {type(log).__name__}.")
+    _check_log(log)
     every = _all_positions(_positions_for(q, positions), group)
     docs = _gather_tokens(_positions_for(q, documents).to(torch.int64), [len(p) for p in every],
-                          group)
-    return DocumentRingAttention.apply(q, k, v, every, list(docs.split([len(p) for p in every])),
-                                       causal, group, log)
+                          group).split([len(p) for p in every])
+
+    def plan(mine, owner):   # a block sharing no document with these queries: an empty plan
+        return document_plan(every[mine], every[owner], docs[mine], docs[owner], causal)
+
+    return RingAttention.apply(q, k, v, every, plan, group, log)
 
 
 def document_zigzag_positions(documents, rank, world_size):

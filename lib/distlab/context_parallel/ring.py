@@ -1,5 +1,8 @@
 """Ring attention: the K/V blocks go around the ring while each rank attends to the one in
-hand; the backward carries each block's gradient home the same way."""
+hand; the backward carries each block's gradient home the same way. One ring for every mask:
+what each step computes is its plan, from positions (`block_plan`: plain or causal) or from
+positions and document ids (`document_plan`, in `documents`: packed sequences)."""
+import collections
 import math
 
 import torch
@@ -8,7 +11,13 @@ import torch.distributed as dist
 from .blocks import (_add_rows, _as_q_heads, _attend_plan, _check_block, _grads, _lse_dtype,
                      _rows, _sum_heads, merge)
 from .exchange import _all_positions, _positions_for, _shift, _wait
-from .plan import block_plan
+from .plan import FULL, block_plan, plan_work
+
+RingStep = collections.namedtuple("RingStep", "step block kind pairs size kernels")
+RingStep.__doc__ = """One forward ring step on one rank: the block (its owner's rank) in hand,
+kind "skip" (no query sees a key of it), "full" (every query sees every key) or "masked",
+`pairs` the query-key pairs its kernels charge, `size` the block's queries × keys, `kernels`
+how many flash kernels it ran."""
 
 
 class RingAttention(torch.autograd.Function):
@@ -16,14 +25,16 @@ class RingAttention(torch.autograd.Function):
     Backward: the same ring again; dK and dV ride along with their block and arrive home last.
 
     At step s rank r holds the block of rank r−s (mod N), and receives that of rank r−s−1.
-    `positions` (every rank's, gathered once) say which pieces of each block a causal mask
-    lets through (`block_plan`): fully masked pieces are skipped, diagonal ones cost half, so
-    the work of a step is what the layout gives it — with zig-zag, the same on every rank.
-    Under grouped-query attention K and V have fewer heads than Q: the ring carries them (and
-    their gradients) that small, and each rank widens the block in hand for its kernels."""
+    `plan(r, owner)` gives the pieces of the owner's block that this rank's queries see, from
+    `positions` (every rank's, gathered once) and the mask (`block_plan`): fully masked pieces
+    are skipped, diagonal ones cost half, so the work of a step is what the layout gives it —
+    with zig-zag, the same on every rank. (Chapter 12b's packed documents run on this same
+    ring, planned by `document_plan`.) Under grouped-query attention K and V have fewer heads
+    than Q: the ring carries them (and their gradients) that small, and each rank widens the
+    block in hand for its kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, causal, group):
+    def forward(ctx, q, k, v, positions, plan, group, log=None):
         n, r = dist.get_world_size(group), dist.get_rank(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
         lengths = [len(p) for p in positions]
@@ -32,20 +43,22 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             owner = (r - step) % n
             pending = (_shift(blocks, group, lengths[(owner - 1) % n]) if step < n - 1
-                       else None)                                   # the next block travels
-            plan = block_plan(positions[r], positions[owner], causal)
+                       else None)              # the next block travels, whatever this step does
+            pieces = plan(r, owner)
             for rows, o, l in _attend_plan(q, *_as_q_heads(q, blocks), positions[r],
-                                           positions[owner], plan, scale):
+                                           positions[owner], pieces, scale):
                 if rows == (0, q.shape[-2]):
                     out, lse = (o, l) if out is None else merge(out, lse, o, l)
                 else:
                     if out is None:
-                        out = torch.zeros_like(q)
+                        out = torch.zeros(q.shape, dtype=_lse_dtype(q), device=q.device)
                         lse = torch.full(q.shape[:-1], float("-inf"), dtype=_lse_dtype(q),
                                          device=q.device)
                     merged, merged_lse = merge(_rows(out, rows), _rows(lse, rows), o, l)
                     _rows(out, rows).copy_(merged)
                     _rows(lse, rows).copy_(merged_lse)
+            if log is not None:
+                log.append(_ring_step(step, owner, pieces, q.shape[-2], lengths[owner]))
             if pending is not None:
                 blocks, handles = pending
                 _wait(handles)
@@ -56,13 +69,13 @@ class RingAttention(torch.autograd.Function):
         # it, as real ring kernels accumulate; the result is returned in the inputs' dtype
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.group, ctx.scale, ctx.positions = causal, group, scale, positions
+        ctx.group, ctx.scale, ctx.positions, ctx.plan = group, scale, positions, plan
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, positions = ctx.group, ctx.causal, ctx.scale, ctx.positions
+        group, scale, positions, plan = ctx.group, ctx.scale, ctx.positions, ctx.plan
         n, r = dist.get_world_size(group), dist.get_rank(group)
         lengths = [len(p) for p in positions]
         grad_out = grad_out.contiguous()
@@ -76,8 +89,7 @@ class RingAttention(torch.autograd.Function):
             ahead = _shift(blocks, group, arriving) if step < n - 1 else None
             wide = _as_q_heads(q, blocks)
             dk, dv = torch.zeros_like(wide[0]), torch.zeros_like(wide[1])
-            plan = block_plan(positions[r], positions[owner], causal)
-            for rows, pieces in plan:
+            for rows, pieces in plan(r, owner):
                 for cols, kind in pieces:
                     gq, gk, gv = _grads(q, *wide, positions[r], positions[owner], out, lse,
                                         grad_out, rows, cols, kind, scale)
@@ -97,13 +109,37 @@ class RingAttention(torch.autograd.Function):
                 _wait(handles)
         (dk, dv), handles = arriving_grads
         _wait(handles)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def ring_attention(q, k, v, positions, causal=False, group=None):
+def _ring_step(step, owner, plan, queries, keys):
+    """The log's entry for one forward step (`RingStep`)."""
+    if not plan:
+        kind = "skip"
+    elif plan == [((0, queries), [((0, keys), FULL)])]:
+        kind = "full"
+    else:
+        kind = "masked"
+    return RingStep(step, owner, kind, plan_work(plan), queries * keys,
+                    sum(len(pieces) for _, pieces in plan))
+
+
+def _check_log(log):
+    if log is not None and not isinstance(log, list):
+        raise TypeError(f"log must be a list (each forward step appends a RingStep) or None; "
+                        f"got a {type(log).__name__}.")
+
+
+def ring_attention(q, k, v, positions, causal=False, group=None, log=None):
     """Attention of this rank's queries over the whole sequence, K/V passed around the ring.
     The ranks' blocks may hold different numbers of tokens. q, k and v may be meta tensors
-    (full-size emulation); positions are real integers."""
+    (full-size emulation); positions are real integers. `log`, a list, receives a `RingStep`
+    per forward step."""
     _check_block(q, k, v, positions)
-    return RingAttention.apply(q, k, v, _all_positions(_positions_for(q, positions), group),
-                               causal, group)
+    _check_log(log)
+    every = _all_positions(_positions_for(q, positions), group)
+
+    def plan(mine, owner):            # rank mine's queries against the block of rank owner
+        return block_plan(every[mine], every[owner], causal)
+
+    return RingAttention.apply(q, k, v, every, plan, group, log)
