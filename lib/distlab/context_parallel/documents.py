@@ -21,7 +21,7 @@ from .. import _argcheck as check
 from .blocks import _check_block
 from .exchange import _all_positions, _gather_tokens, _positions_for
 from .layouts import _check_layout
-from .plan import DIAGONAL, FULL, SKIP, _bounds, _cut, _pair
+from .plan import SKIP, _bounds, _cut, _join, _pair
 from .ring import RingAttention, RingStep, _check_log  # noqa: F401  (RingStep: its log's entries)
 
 
@@ -63,27 +63,9 @@ def document_plan(q_pos, k_pos, q_docs, k_docs, causal=True):
     if causal:      # cut so that two pieces hold the same positions or disjoint ones
         qruns = _cut_runs(qruns, _bounds([r for r, _ in kruns]))
         kruns = _cut_runs(kruns, _bounds([r for r, _ in qruns]))
-    rows = []
-    for qrun, qdoc in qruns:
-        kinds = tuple(_pair(qrun, krun, causal) if kdoc == qdoc else SKIP
-                      for krun, kdoc in kruns)
-        if rows and rows[-1][1] == kinds and DIAGONAL not in kinds:
-            rows[-1][0][1] = qrun[1]                 # the same keys as the rows above: one kernel
-        else:
-            rows.append(([qrun[0], qrun[1]], kinds))
-    plan = []
-    for (qa, qb), kinds in rows:
-        pieces = []
-        for ((ka, kb, _), _), kind in zip(kruns, kinds):
-            if kind == SKIP:
-                continue
-            if kind == FULL and pieces and pieces[-1][1] == FULL and pieces[-1][0][1] == ka:
-                pieces[-1] = ((pieces[-1][0][0], kb), FULL)
-            else:
-                pieces.append(((ka, kb), kind))
-        if pieces:
-            plan.append(((qa, qb), pieces))
-    return plan
+    rows = [(qrun, tuple(_pair(qrun, krun, causal) if kdoc == qdoc else SKIP
+                         for krun, kdoc in kruns)) for qrun, qdoc in qruns]
+    return _join(rows, [krun for krun, _ in kruns])
 
 
 # Chapter 12's ring, each step planned by `document_plan`: one Function for every mask.

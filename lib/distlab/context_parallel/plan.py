@@ -78,15 +78,22 @@ def block_plan(q_pos, k_pos, causal):
         # then covers the same positions (DIAGONAL) or disjoint ones (FULL or SKIP), and none
         # needs an explicit mask (all-gather's joined K: chunks 3 and 4 of zig-zag are one run)
         qruns, kruns = _cut(qruns, _bounds(kruns)), _cut(kruns, _bounds(qruns))
-    rows = []
-    for qrun in qruns:
-        kinds = tuple(_pair(qrun, krun, causal) for krun in kruns)
-        if rows and rows[-1][1] == kinds and DIAGONAL not in kinds and PARTIAL not in kinds:
-            rows[-1][0][1] = qrun[1]                     # extend the previous row group
+    return _join([(qrun, tuple(_pair(qrun, krun, causal) for krun in kruns)) for qrun in qruns],
+                 kruns)
+
+
+def _join(rows, kruns):
+    """The plan of (query run, kinds against every key run) rows: adjacent query runs that see
+    the same keys share one kernel (not across a DIAGONAL or PARTIAL one), and so do adjacent
+    key runs seen in full; SKIP pairs are left out, and so are rows that see nothing."""
+    groups = []
+    for qrun, kinds in rows:
+        if groups and groups[-1][1] == kinds and DIAGONAL not in kinds and PARTIAL not in kinds:
+            groups[-1][0][1] = qrun[1]                   # extend the previous row group
         else:
-            rows.append(([qrun[0], qrun[1]], kinds))
+            groups.append(([qrun[0], qrun[1]], kinds))
     plan = []
-    for (qa, qb), kinds in rows:
+    for (qa, qb), kinds in groups:
         pieces = []
         for (ka, kb, _), kind in zip(kruns, kinds):
             if kind == SKIP:
