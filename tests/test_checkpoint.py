@@ -358,28 +358,103 @@ def test_bad_calls_are_refused_in_one_sentence_saying_what_to_do(tmp_path):
     assert not wrong, "\n".join(wrong)
 
 
+PARTS_WITHOUT = {"nothing": ("model", "optim", "data", "rng"), "rng": ("model", "optim", "data"),
+                 "data": ("model", "optim", "rng")}
+# (data, the step it stops after, the parts each resume goes without): 2 ranks of 24 samples in
+# batches of 2 take 6 batches an epoch, so step 5 stops mid-epoch and step 6 at the epoch's end
+RESUMES = [("loader", 5, ("nothing", "rng", "data")), ("loader", 6, ("nothing",)),
+           ("position", 5, ("nothing", "data"))]
+
+
 def _stop_and_resume(rank, world_size, folder):
     from distlab.checkpoint import stateful
-    whole = stateful.train_fsdp(rank, world_size, folder + "/whole", steps=7)
-    stateful.train_fsdp(rank, world_size, folder + "/ckpt", steps=7, stop_after=4)
-    resumed = {name: stateful.train_fsdp(rank, world_size, folder + "/ckpt", steps=3, resume=parts)
-               for name, parts in [("all", stateful.PARTS), ("no rng", ("model", "optim", "data")),
-                                   ("no data", ("model", "optim", "rng"))]}
+    whole = stateful.train_fsdp(rank, world_size, folder + "/whole", steps=9)
+    resumed = {}
+    for data, stop, withouts in RESUMES:
+        ckpt = f"{folder}/{data}-{stop}"
+        stateful.train_fsdp(rank, world_size, ckpt, steps=9, stop_after=stop, data=data)
+        for without in withouts:
+            resumed[data, stop, without] = stateful.train_fsdp(
+                rank, world_size, ckpt, steps=9 - stop, resume=PARTS_WITHOUT[without], data=data)
     return whole, resumed
 
 
-def test_torchs_state_dict_api_resumes_the_same_run_and_every_part_counts(tmp_path):
+@pytest.fixture(scope="module")
+def stop_and_resume(tmp_path_factory):
+    import distlab
+    folder = str(tmp_path_factory.mktemp("stateful"))
+    return folder, distlab.run(_stop_and_resume, 2, folder, timeout=120)
+
+
+def test_torchs_state_dict_api_resumes_the_same_run_and_every_part_counts(stop_and_resume):
     """Issue 45 (chapter 10b): FSDP2 shards saved through get_state_dict in one Stateful, with
     the data position and every rank's random state (under its own key), resume the very run a
-    stop never interrupted — losses and parameters bit for bit; leave out the random state or
-    the data position and the run takes other steps."""
-    import distlab
+    stop never interrupted — losses, parameters and every rank's batches bit for bit, mid-epoch
+    and at the epoch's end, with torchdata's StatefulDataLoader (one worker process) as with
+    DataPosition; without the random state the batches are right and the steps are not; without
+    the data position the epoch starts over: the resumed run trains again on batches it took."""
     from distlab.checkpoint import stateful
-    (losses, params), resumed = distlab.run(_stop_and_resume, 2, str(tmp_path), timeout=120)[0]
-    got, got_params = resumed["all"]
-    assert got == losses[4:]
-    assert all(torch.equal(got_params[k], v) for k, v in params.items())
-    for part in ("no rng", "no data"):
-        assert resumed[part][0] != losses[4:], part
+    _, results = stop_and_resume
+    (losses, params, _), _ = results[0]
+    for rank, ((_, _, seen), resumed) in enumerate(results):
+        for (data, stop, without), (got, got_params, got_seen) in resumed.items():
+            case = (rank, data, stop, without)
+            if without == "nothing":
+                assert got == losses[stop:] and got_seen == seen[stop:], case
+                if rank == 0:
+                    assert all(torch.equal(got_params[k], v) for k, v in params.items()), case
+            elif without == "rng":
+                assert got != losses[stop:] and got_seen == seen[stop:], case
+            else:
+                assert got != losses[stop:] and got_seen == seen[:9 - stop], case
     with pytest.raises(ValueError, match="TrainState keeps model, optim, data, rng; not weights"):
         stateful.TrainState(None, None, None, parts=("weights",))
+
+
+def test_resuming_per_rank_parts_at_another_world_size_is_refused_in_one_sentence(stop_and_resume):
+    """DCP would stop a third rank with "Missing key in checkpoint state_dict: train.data.2.",
+    and let one rank go on silently from rank 0's position in a 2-rank shard of the data."""
+    from distlab.checkpoint import stateful
+    folder = stop_and_resume[0] + "/loader-5"
+    assert stateful.per_rank_problem(folder, 2) is None
+    assert stateful.per_rank_problem(folder, 3, ("model", "optim")) is None   # these reshard
+    for world_size in (1, 3):
+        assert stateful.per_rank_problem(folder, world_size) == (
+            f"{folder} holds the data position and random state of 2 ranks, each its own, and "
+            f"this run has {world_size}: resume with world_size=2, or load only the parts that "
+            f"reshard, parts=('model', 'optim').")
+    assert stateful.per_rank_problem(folder, 3, ("model", "optim", "rng")) is not None
+
+
+def test_a_loader_state_resumes_only_a_loader_of_its_batch_size_and_workers():
+    """torchdata itself would go on at the saved sample with batches of 3 (another run), and
+    fail with an AssertionError that names no option for another number of workers."""
+    import warnings
+    from torch.utils.data import DistributedSampler, TensorDataset
+    from distlab.checkpoint import stateful
+    data = TensorDataset(torch.arange(12))
+
+    def position(batch_size=2, num_workers=0):
+        sampler = DistributedSampler(data, num_replicas=2, rank=1, seed=0)
+        return stateful.LoaderPosition(stateful.stateful_loader(
+            data, batch_size=batch_size, num_workers=num_workers, sampler=sampler))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                      # the set_vital warning is filtered
+        saved = position()
+    batches = saved.batches()
+    next(batches), next(batches)
+    state = saved.state_dict()
+    rest = [next(batches)[0].tolist() for _ in range(3)]    # 3 batches an epoch: into epoch 1
+    resumed = position()
+    resumed.load_state_dict(state)
+    assert [b[0].tolist() for _, b in zip(range(3), resumed.batches())] == rest
+    assert resumed.epoch == 1
+    for option, value in (("batch_size", 3), ("num_workers", 1)):
+        with pytest.raises(ValueError) as refused:
+            position(**{option: value}).load_state_dict(state)
+        assert str(refused.value) == (
+            f"this loader's state was saved with {option}={getattr(saved.loader, option)}, and "
+            f"this loader has {option}={value}: build it with {option}="
+            f"{getattr(saved.loader, option)} to resume its epoch, or resume without the data "
+            f"part to start the epoch over.")
