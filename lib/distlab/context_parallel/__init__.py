@@ -39,8 +39,9 @@ planner (`distlab.layout.price` with `cp=`, `checkpointing=`, `sequence_parallel
 
 One module per idea: `layouts` (which tokens a rank holds), `plan` (what a causal mask leaves of
 a pair of blocks), `blocks` (one block's kernels, merge, a piece's gradient), `exchange` (hops
-and gathers between ranks), `ring`, `documents` (the ring over packed documents: a document
-mask, whole blocks skipped), `all_gather`, `closed_forms`. Every name is re-exported here, so
+and gathers between ranks), `ring` (one ring for every mask, given each step's plan),
+`documents` (the ring over packed documents: a document mask's plan, whole blocks skipped, and
+per-document zig-zag), `all_gather`, `closed_forms`. Every name is re-exported here, so
 `distlab.context_parallel.ring_attention` is where it always was.
 """
 from .layouts import (_check_divides, causal_work, contiguous_positions, striped_positions,
