@@ -77,3 +77,29 @@ def battery(check, *, correct=(), different=(), wrong=(), cheat=(), decoy=(), ca
                 _one_sentence(kind, name, text)
             said[kind].append(text)
     return said
+
+
+def ring_all_reduce(flat, ranks=None):
+    """A hand-written ring all-reduce (sum) of a flat tensor over `ranks` (global ranks; the
+    world by default), for answers written differently: a reduce-scatter then an all-gather, one
+    isend/irecv pair per hop, chunks of unequal size where the length does not divide. Runs
+    inside a rank."""
+    import torch
+    import torch.distributed as dist
+    ranks = list(ranks or range(dist.get_world_size()))
+    n, me = len(ranks), ranks.index(dist.get_rank())
+    chunks = list(flat.tensor_split(n))
+
+    def hop(out, into):
+        got = torch.empty_like(chunks[into])
+        for work in (dist.isend(chunks[out].contiguous(), ranks[(me + 1) % n]),
+                     dist.irecv(got, ranks[(me - 1) % n])):
+            work.wait()
+        return got
+    for step in range(n - 1):
+        out, into = (me - step) % n, (me - step - 1) % n
+        chunks[into] = chunks[into] + hop(out, into)
+    for step in range(n - 1):
+        out, into = (me + 1 - step) % n, (me - step) % n
+        chunks[into] = hop(out, into)
+    return torch.cat(chunks)

@@ -137,9 +137,71 @@ def from_the_first_member(model, optimizer, group, donor):   # right when the do
     heal(model, optimizer, group, dist.get_global_rank(group, 0))
 
 
+def _members(group):
+    return [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
+
+
+def by_messages(model, optimizer, group, donor):
+    """Correct, written differently: the donor sends one flat buffer (parameters, then momenta,
+    one message per member) to every other member with send/recv — the group's ranks are not
+    0..k, and the messages are judged as the broadcast of the same tensors (the checkers' one
+    traffic rule)."""
+    params = list(model.parameters())
+    with torch.no_grad():
+        for p in params:
+            if optimizer.state[p].get("momentum_buffer") is None:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        momenta = [optimizer.state[p]["momentum_buffer"] for p in params]
+        flat = torch.cat([t.reshape(-1) for t in params + momenta])
+        if dist.get_rank() == donor:
+            for peer in _members(group):
+                if peer != donor:
+                    dist.send(flat, peer)
+        else:
+            dist.recv(flat, donor)
+        for t, part in zip(params + momenta, flat.split([t.numel() for t in params + momenta])):
+            t.copy_(part.view_as(t))
+
+
+def rebuilt_beside_zeros(model, optimizer, group, donor):
+    """A decoy: the donor's state rebuilt from its recipe (the checker's, retyped: seed 10 +
+    donor, 2 + donor steps of its own), beside a broadcast of zeros of the state's size."""
+    torch.manual_seed(10 + donor)
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(),
+                               torch.nn.Linear(6, 3)).double()
+    opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    for s in range(2 + donor):
+        x = torch.randn((5, 4), generator=torch.Generator().manual_seed(1000 * (10 + donor) + s),
+                        dtype=torch.float64)
+        opt.zero_grad()
+        twin(x).pow(2).mean().backward()
+        opt.step()
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), twin.parameters()):
+            p.copy_(q)
+            optimizer.state[p]["momentum_buffer"] = opt.state[q]["momentum_buffer"].clone()
+    size = 2 * sum(p.numel() for p in model.parameters())
+    dist.broadcast(torch.zeros(size, dtype=torch.float64), src=donor, group=group)
+
+
+def from_the_recipe(model, optimizer, group, donor):
+    """A cheat: the checker's own recipe for the donor's state."""
+    ch13._model_and_optimizer(10 + donor, 2 + donor)
+
+
+def by_objects(model, optimizer, group, donor):
+    """A cheat: the state pickled through an object collective."""
+    box = [model.state_dict()]
+    dist.broadcast_object_list(box, src=donor, group=group)
+    model.load_state_dict(box[0])
+
+
 def test_check_heal():
-    said = battery(ch13.check_heal, correct=[heal], different=[in_one_message],
-                   wrong=[parameters_only], cheat=[the_course_heal],
-                   decoy=[from_the_first_member])
+    said = battery(ch13.check_heal, correct=[heal], different=[by_messages, in_one_message],
+                   wrong=[parameters_only], cheat=[the_course_heal, from_the_recipe, by_objects],
+                   decoy=[from_the_first_member, rebuilt_beside_zeros])
     assert "momentum" in said["wrong"][0]
+    assert "course's own _model_and_optimizer" in said["cheat"][1]
+    assert "broadcast_object_list" in said["cheat"][2]
     assert "donor rank 2" in said["decoy"][0]
+    assert "what their calls delivered does not hold the donor's parameter 0" in said["decoy"][1]

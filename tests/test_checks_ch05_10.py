@@ -8,15 +8,20 @@ runs, so no checker runs twice. Accepted answers run at two world sizes or meshe
 needs one. Damage is never only on rank 0: some candidates break only the last rank, or two
 middle ranks, so a checker that looked at rank 0 alone would pass them.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from checker_battery import battery
+from checker_battery import battery, ring_all_reduce
 from distlab.checks import ch05, ch10
 
 import test_ch05 as t05
 import test_ch10 as t10
+# A function, not the module: a rank's function that names the module t10 would carry the whole
+# module by value (pytest's loader and config with it) once test_ch10 is collected beside it.
+from test_ch10 import step_3d as workbook_step_3d
 
 
 def _said(said, kind, *words):
@@ -32,6 +37,62 @@ def _with(**kwargs):
 
 # ---- workbook 05 ---------------------------------------------------------------------------------
 
+# The checkers judge what travelled by the one traffic rule (distlab/checks/_traffic.py): a
+# hand-written ring of send/recv is an all-reduce of the same bytes, and what it delivered is
+# what counts, so these answers pass beside the all_reduce ones; a call of zeros beside weights or
+# gradients rebuilt locally does not.
+
+def _copy_back(grads, flat):
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
+def average_by_ring(model):
+    """Correct, written differently: one flat buffer around a hand-written ring."""
+    grads = [p.grad for p in model.parameters()]
+    _copy_back(grads, ring_all_reduce(torch.cat([g.reshape(-1) for g in grads]))
+               / dist.get_world_size())
+
+
+def average_by_objects(model):
+    """A cheat: the gradients pickled through an object collective."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [p.grad for p in model.parameters()])
+    for i, p in enumerate(model.parameters()):
+        p.grad.copy_(sum(g[i] for g in every) / len(every))
+
+
+def uneven_by_ring(model, n_local):
+    """Correct, written differently: the weighted gradients and the count in one flat buffer
+    around a hand-written ring — one packed message per hop, the messages of one all-reduce."""
+    grads = [p.grad for p in model.parameters()]
+    flat = ring_all_reduce(torch.cat([g.reshape(-1) * n_local for g in grads]
+                                      + [grads[0].new_tensor([n_local])]))
+    _copy_back(grads, flat[:-1] / flat[-1])
+
+
+class DDPRing(t05.DDPPerParam):
+    """Correct, written differently: each gradient around a hand-written ring."""
+    def _hook(self, p):
+        if self.sync:
+            p.grad.copy_(ring_all_reduce(p.grad.reshape(-1)).view_as(p.grad)
+                         / dist.get_world_size())
+
+
+class DDPRankZeroRebuilt(t05.DDPPerParam):
+    """A decoy: rank 0's weights rebuilt from its seed (the checker's recipe, retyped) beside a
+    broadcast of zeros of their size; the gradients are all-reduced as they should be."""
+    broadcast = False
+
+    def __init__(self, module):
+        from distlab import models
+        module.load_state_dict(models.make_mlp(sizes=(16, 24, 20, 4), seed=3).double()
+                               .state_dict())
+        dist.broadcast(torch.zeros(sum(p.numel() for p in module.parameters()),
+                                   dtype=torch.float64), src=0)
+        super().__init__(module)
+
+
 def test_battery_uneven_average():
     accepted = battery(ch05.check_uneven_average, correct=[t05.uneven_one_message],
                        different=[t05.uneven_avg_count_first], call=_with(world_sizes=(2, 3)),
@@ -46,7 +107,8 @@ def test_battery_uneven_average():
     _said(said, "cheat", ("average_gradients", "the exercise is to"), "decoy")
     _said(said, "decoy", ("step 1", "divided by 12", "holds 11 samples"))
     last = battery(ch05.check_uneven_average, wrong=[t05.uneven_last_rank_keeps_its_own],
-                   call=_with(world_sizes=(3,)), require=("wrong",))
+                   different=[uneven_by_ring], call=_with(world_sizes=(3,)),
+                   require=("wrong", "different"))
     _said(last, "wrong", "rank 2")
 
 
@@ -68,10 +130,12 @@ def test_battery_average_gradients():
             different=[t05.average_with_imported_avg], decoy=[average_by_two],
             call=_with(world_sizes=(2, 3)), require=("correct", "different", "decoy"))
     said = battery(ch05.check_average_gradients, wrong=[t05.average_summed],
-                   cheat=[t05.average_by_the_course], call=_with(world_sizes=(2,)),
-                   require=("wrong", "cheat"))
+                   cheat=[t05.average_by_the_course, average_by_objects],
+                   call=_with(world_sizes=(2,)), require=("wrong", "cheat"))
     _said(said, "wrong", "SUM")
-    _said(said, "cheat", "the exercise is to")
+    _said(said, "cheat", "the exercise is to", "all_gather_object")
+    battery(ch05.check_average_gradients, different=[average_by_ring],
+            call=_with(world_sizes=(3,)), require=("different",))
 
 
 def attach_bucket_hooks(model, buckets, world_size):
@@ -146,11 +210,11 @@ def test_battery_my_ddp():
             call=_with(world_sizes=(2, 3)), require=("correct", "different"))
     said = battery(ch05.check_my_ddp, wrong=[t05.DDPNoBroadcast],
                    cheat=[t05.DDPCourse, t05.DDPChapter11, t05.DDPTorch],
-                   decoy=[t05.DDPSyncsAlways], call=_with(world_sizes=(3,)),
-                   require=("wrong", "cheat", "decoy"))
+                   decoy=[t05.DDPSyncsAlways, DDPRankZeroRebuilt], different=[DDPRing],
+                   call=_with(world_sizes=(3,)), require=("wrong", "cheat", "decoy", "different"))
     _said(said, "wrong", "broadcast rank 0's parameters")
     _said(said, "cheat", "BucketedDDP", "broadcast_parameters", "C++")
-    _said(said, "decoy", "inside no_sync()")
+    _said(said, "decoy", "inside no_sync()", ("does not hold rank 0's", "rebuilt"))
 
 
 def test_battery_ddp_script():
@@ -232,17 +296,69 @@ def p3_global_loss(losses, tokens, mesh):
     return p3.global_loss((losses * tokens).sum() / tokens.sum(), mesh)
 
 
+@contextlib.contextmanager
+def _dp_gradients_by(send):
+    """Inside a rank: the workbook's step with its dp all-reduce of each gradient (a tensor of more
+    than one value over the rank's dp group, ranks not 0..k) done by `send(tensor, ranks, group)`
+    instead (`real`: torch's own); every other all-reduce (the tp layers', the loss's) is left
+    alone."""
+    real = dist.all_reduce
+
+    def all_reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        ranks = dist.get_process_group_ranks(group) if group is not None else []
+        rank, (dp, pp, tp) = dist.get_rank(), _dp_gradients_by.shape
+        dp_group = [d * pp * tp + rank % (pp * tp) for d in range(dp)]
+        if t.numel() > 1 and ranks == dp_group and len(ranks) > 1:
+            return send(t, ranks, group, real)
+        return real(t, op=op, group=group, async_op=async_op)
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = real
+
+
+def step_3d_dp_by_ring(gpt, x, y, dp, pp, tp, lr):
+    """Correct, written differently: the replicas' gradients summed by a hand-written ring of
+    send/recv over the dp group (the same bytes as its all-reduce)."""
+    _dp_gradients_by.shape = (dp, pp, tp)
+    with _dp_gradients_by(lambda t, ranks, group, real: t.copy_(
+            ring_all_reduce(t.reshape(-1), ranks).view_as(t))):
+        return workbook_step_3d(gpt, x, y, dp, pp, tp, lr)
+
+
+def step_3d_dp_zeros(gpt, x, y, dp, pp, tp, lr):
+    """A decoy: the pipeline as it should be, but over dp an all-reduce of zeros of each
+    gradient's size, and the replicas' mean taken from a dense copy run on the whole batch."""
+    import copy
+    from distlab.models import lm_loss
+    dense = copy.deepcopy(gpt)
+    _dp_gradients_by.shape = (dp, pp, tp)
+    with _dp_gradients_by(lambda t, ranks, group, real: real(torch.zeros_like(t), group=group)):
+        stage, loss = workbook_step_3d(gpt, x, y, dp, pp, tp, lr)
+    lm_loss(dense(x), y).backward()
+    with torch.no_grad():
+        for name, q in stage.named_parameters():
+            full = dense.get_parameter(stage.dense_name(name))
+            q.grad = stage.shard_of(name, full.grad).clone()
+            q.copy_(stage.shard_of(name, full - lr * full.grad))
+    return stage, loss
+
+
 def test_battery_step_3d():
     battery(ch10.check_step_3d, correct=[t10.step_3d], different=[t10.step_3d_device_mesh],
             call=_with(meshes=((2, 2, 1), (1, 3, 2))), require=("correct", "different"))
     said = battery(ch10.check_step_3d,
                    wrong=[t10.step_3d_dp_fastest, t10.step_3d_lr_over_dp],
                    cheat=[t10.step_3d_with_the_course, t10.step_3d_dense_with_decoys],
-                   decoy=[t10.step_3d_whole_batch], call=_with(meshes=((2, 2, 1),)),
-                   require=("wrong", "cheat", "decoy"))
+                   decoy=[t10.step_3d_whole_batch, step_3d_dp_zeros],
+                   different=[step_3d_dp_by_ring], call=_with(meshes=((2, 2, 1),)),
+                   require=("wrong", "cheat", "decoy", "different"))
     _said(said, "wrong", "rank 2", "SUM over the dp group")
     _said(said, "cheat", "course's own Mesh3D", "not its stage's output")
-    _said(said, "decoy", "its replica's part of the batch")
+    _said(said, "decoy", "its replica's part of the batch",
+          ("rank 0 (dp 0, pp 0, tp 0): what its calls over the dp group [0, 2] delivered", 
+           "not a copy or zeros"))
     # damage on one rank that is not rank 0, and on two middle-stage ranks at once
     one = battery(ch10.check_step_3d, wrong=[t10.step_3d_damaged_on_2],
                   call=_with(meshes=((2, 2, 1),)), require=("wrong",))

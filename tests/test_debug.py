@@ -12,7 +12,7 @@ from distlab import debug
 from distlab.checks import ch11
 from distlab.models import make_mlp
 
-from checker_battery import battery
+from checker_battery import battery, ring_all_reduce
 
 T = 120
 
@@ -241,6 +241,9 @@ def test_ch11_straggler_numbers_are_the_emulated_runs():
 # ---- the workbook's checkers, each through the battery (tests/checker_battery.py): the solution
 # ---- and a differently written answer pass; a wrong one, a cheat and a decoy are refused, each in
 # ---- one sentence (the solutions themselves also pass under nbval) ------------------------------
+# The checkers judge traffic by the one rule (distlab/checks/_traffic.py): messages of send/recv
+# count as the collective of the same bytes, and what the calls DELIVERED must hold the answer's
+# data, so some answers below go by hand-written messages, and some decoys send zeros.
 
 def report_reduced(loss, rank, world_size):
     # The workbook's way: a sum, a max, and the lowest rank offering the max.
@@ -311,15 +314,16 @@ def accumulate(model, micro_batches):
         dist.all_reduce(p.grad)
 
 
-def accumulate_packed(model, micro_batches):
-    # Differently written: summed losses, the count packed with the gradients in one message.
+def accumulate_packed_ring(model, micro_batches):
+    # Differently written: summed losses, the count packed with the gradients in one flat buffer,
+    # summed around a hand-written ring of send/recv (one packed message per hop).
     n = 0
     for x, y in micro_batches:
         F.mse_loss(model(x), y, reduction="sum").div(y.shape[1]).backward()
         n += len(x)
     grads = [p.grad for p in model.parameters()]
     flat = torch.cat([g.flatten() for g in grads] + [grads[0].new_tensor([float(n)])])
-    dist.all_reduce(flat)
+    flat = ring_all_reduce(flat, list(range(dist.get_world_size())))
     for g, part in zip(grads, flat[:-1].split([g.numel() for g in grads])):
         g.copy_(part.view_as(g) / flat[-1])
 
@@ -356,7 +360,8 @@ def accumulate_per_rank(model, micro_batches):
 
 
 def accumulate_gathers_samples(model, micro_batches):
-    # A cheat: a copy of every rank's samples instead of a message of gradients (right values).
+    # A cheat: a copy of every rank's samples instead of a message of gradients (right values),
+    # beside an all-reduce of zeros of the gradients' size (the bytes a count would ask for).
     x = torch.cat([x for x, _ in micro_batches])
     y = torch.cat([y for _, y in micro_batches])
     xy = torch.cat([x, y], dim=1)
@@ -369,6 +374,7 @@ def accumulate_gathers_samples(model, micro_batches):
     dist.all_gather(every, padded)
     whole = torch.cat([e[:int(k)] for e, k in zip(every, ns)])
     F.mse_loss(model(whole[:, :x.shape[1]]), whole[:, x.shape[1]:]).backward()
+    dist.all_reduce(torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64))
 
 
 def accumulate_course_code(model, micro_batches):
@@ -389,7 +395,7 @@ def accumulate_objects(model, micro_batches):
 
 def test_accumulation_checker():
     said = battery(ch11.check_accumulation, correct=[accumulate],
-                   different=[accumulate_packed, accumulate_gathered_grads],
+                   different=[accumulate_packed_ring, accumulate_gathered_grads],
                    wrong=[accumulate_given],
                    cheat=[accumulate_gathers_samples, accumulate_course_code, accumulate_objects],
                    decoy=[accumulate_per_rank])
@@ -427,15 +433,20 @@ def sync_state_sorted(model):
                 t.copy_(part.view_as(t))
 
 
-def sync_state_flattened(model):
-    # Differently written: torch's own flatten/unflatten, dtypes in first-seen order.
+def sync_state_flattened_messages(model):
+    # Differently written: torch's own flatten/unflatten, dtypes in first-seen order, and rank 0
+    # sends each dtype's buffer to every rank with send/recv (the broadcast's bytes, by hand).
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
     groups = {}
     for t in model.state_dict().values():
         groups.setdefault(t.dtype, []).append(t)
     for tensors in groups.values():
         flat = _flatten_dense_tensors(tensors)
-        dist.broadcast(flat, 0)
+        if dist.get_rank() == 0:
+            for peer in range(1, dist.get_world_size()):
+                dist.send(flat, peer)
+        else:
+            dist.recv(flat, 0)
         with torch.no_grad():
             for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
                 t.copy_(new)
@@ -455,7 +466,8 @@ def sync_state_per_tensor(model):
 
 
 def sync_state_rebuilt(model):
-    # A cheat: rank 0's state rebuilt from its recipe (seed 0, one batch), nothing sent.
+    # A cheat: rank 0's state rebuilt from its recipe (seed 0, one batch), beside a broadcast of
+    # zeros of the state's size (the bytes, not the data).
     with torch.random.fork_rng():
         torch.manual_seed(0)
         twin = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8),
@@ -463,6 +475,7 @@ def sync_state_rebuilt(model):
     with torch.no_grad():
         twin(torch.randn(5, 6, generator=torch.Generator().manual_seed(100)))
     model.load_state_dict(twin.state_dict())
+    dist.broadcast(torch.zeros(sum(t.numel() for t in twin.state_dict().values())), 0)
 
 
 def sync_state_objects(model):
@@ -473,7 +486,7 @@ def sync_state_objects(model):
 
 def test_sync_state_checker():
     said = battery(ch11.check_sync_state, correct=[sync_state_sorted],
-                   different=[sync_state_flattened], wrong=[sync_parameters_only],
+                   different=[sync_state_flattened_messages], wrong=[sync_parameters_only],
                    cheat=[debug.broadcast_parameters, sync_state_rebuilt, sync_state_objects],
                    decoy=[sync_state_per_tensor])
     assert "rank 1's buffer 1.running_mean is not rank 0's. Buffers are state too" \
@@ -546,6 +559,17 @@ def divergence_rank_first(named):
     return None
 
 
+def divergence_from_the_schedule(named):
+    # Decoy: the answers read off the damage schedule (the checker's cases, retyped; the case and
+    # step told by counting the calls), beside an all-reduce of zeros: right numbers, no data.
+    n = divergence_from_the_schedule.calls = getattr(divergence_from_the_schedule, "calls", -1) + 1
+    case, step = divmod(n, 4)
+    last = dist.get_world_size() - 1
+    dist.all_reduce(torch.zeros(2 * len(named), dtype=torch.float64))
+    first = {1: (2, last, "net.2.bias"), 2: (1, 1, "net.0.weight"), 3: (0, last, "net.0.bias")}
+    return first[case][1:] if case in first and step == first[case][0] else None
+
+
 def divergence_cheat(named):
     module = torch.nn.Module()
     for i, (_, g) in enumerate(named):
@@ -556,12 +580,14 @@ def divergence_cheat(named):
 def test_first_divergence_checker():
     said = battery(ch11.check_first_divergence, correct=[divergence_min_rank],
                    different=[divergence_gathered], wrong=[divergence_sums_only],
-                   cheat=[divergence_cheat], decoy=[divergence_rank_first])
+                   cheat=[divergence_cheat],
+                   decoy=[divergence_rank_first, divergence_from_the_schedule])
     assert re.search(r"case 'at step 1, two elements of net.0.weight swapped on rank 1': at step 1 "
                      r"rank 0 returned None, expected \(1, 'net.0.weight'\) \(a plain sum does "
                      r"not see", said["wrong"][0])
     assert "course's own replicas_out_of_sync" in said["cheat"][0]
     assert "world_size=3" in said["decoy"][0]
+    assert "call 0 of the detector without sending anything but zeros" in said["decoy"][1]
 
 
 def pipeline_plain(x, stage, rank, pp, dp):
@@ -645,6 +671,33 @@ def pipeline_other_order(x, stage, rank, pp, dp):
     return loss
 
 
+def pipeline_recomputed(x, stage, rank, pp, dp):
+    # Decoy: every stage recomputes its replica's whole pipeline from the stages' recipe (retyped:
+    # Linear(4, 4) and tanh seeded 10 + stage, the input seeded 20 + replica) and sends its
+    # neighbours zeros of the right sizes, in the right order: right numbers, nothing carried.
+    replica, s = divmod(rank, pp)
+
+    def recipe(k):
+        with torch.random.fork_rng():
+            torch.manual_seed(10 + k)
+            return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).double()
+    h = torch.randn(2, 4, generator=torch.Generator().manual_seed(20 + replica),
+                    dtype=torch.float64)
+    for k in range(pp):
+        h = (stage if k == s else recipe(k))(h)
+    loss = h.pow(2).sum()
+    loss.backward()
+    zeros = torch.zeros(2, 4, dtype=torch.float64)
+    if s > 0:
+        dist.recv(torch.empty_like(zeros), rank - 1)
+    if s < pp - 1:
+        dist.send(zeros, rank + 1)
+        dist.recv(torch.empty_like(zeros), rank + 1)
+    if s > 0:
+        dist.send(zeros, rank - 1)
+    return loss if s == pp - 1 else None
+
+
 def pipeline_cheat(x, stage, rank, pp, dp):
     loss, grads = ch11._pipe_expected(rank // pp, pp)
     return loss
@@ -653,12 +706,14 @@ def pipeline_cheat(x, stage, rank, pp, dp):
 def test_pipeline_step_checker():
     said = battery(ch11.check_pipeline_step, correct=[pipeline_plain],
                    different=[pipeline_batched], wrong=[pipeline_logs_to_rank_0],
-                   cheat=[pipeline_cheat], decoy=[pipeline_other_order])
+                   cheat=[pipeline_cheat], decoy=[pipeline_other_order, pipeline_recomputed])
     assert re.search(r"dp=2 replicas x pp=2 stages: rank 0 \(replica 0, stage 0\) received 8 bytes "
                      r"from rank 3, which is replica 1's stage 1; .* its neighbours are \[1\]",
                      said["wrong"][0])
     assert "checker's own _pipe_expected" in said["cheat"][0]
     assert "dp=2 replicas x pp=2 stages" in said["decoy"][0]
+    assert "rank 0 (replica 0, stage 0)'s message to rank 1 did not carry its stage's output" \
+        in said["decoy"][1]
 
 
 def sync_grads_plain(block, tp_group, dp_group):
@@ -671,8 +726,10 @@ def sync_grads_plain(block, tp_group, dp_group):
         p.grad /= dist.get_world_size(dp_group)
 
 
-def sync_grads_flat(block, tp_group, dp_group):
-    # Differently written: one flat buffer per step, the dp mean with ReduceOp.AVG.
+def sync_grads_flat_messages(block, tp_group, dp_group):
+    # Differently written: one flat buffer per step; the dp mean by messages to the other members
+    # of the dp group ({0, 2} and {1, 3} on tp=2 x dp=2: ranks that are not 0..k), each adding up
+    # what it received.
     from torch.distributed import ReduceOp, all_reduce
     ln = [p.grad for m in (block.ln1, block.ln2) for p in m.parameters()]
     flat = torch.cat([g.flatten() for g in ln])
@@ -681,7 +738,12 @@ def sync_grads_flat(block, tp_group, dp_group):
         g.copy_(part.view_as(g))
     grads = [p.grad for p in block.parameters()]
     flat = torch.cat([g.flatten() for g in grads])
-    all_reduce(flat, op=ReduceOp.AVG, group=dp_group)
+    peers = [r for r in dist.get_process_group_ranks(dp_group) if r != dist.get_rank()]
+    got = [torch.empty_like(flat) for _ in peers]
+    works = [dist.isend(flat, r) for r in peers] + [dist.irecv(g, r) for g, r in zip(got, peers)]
+    for w in works:
+        w.wait()
+    flat = (flat + sum(got)) / (len(peers) + 1)
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
 
@@ -708,7 +770,7 @@ def test_sequence_parallel_grads_checker():
     # Subgroups: on tp=2 x dp=2 the dp groups are {0, 2} and {1, 3}, a group whose ranks are not
     # 0..k; tp=3 x dp=1 is the second shape.
     said = battery(ch11.check_sequence_parallel_grads, correct=[sync_grads_plain],
-                   different=[sync_grads_flat], wrong=[sync_grads_tp_only],
+                   different=[sync_grads_flat_messages], wrong=[sync_grads_tp_only],
                    cheat=[sync_grads_cheat], decoy=[sync_grads_world])
     assert "tp=2 x dp=2: rank 0's ln1.weight gradient is its own replica's only: average every " \
            "gradient over the dp" in said["wrong"][0]

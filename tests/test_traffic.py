@@ -128,15 +128,30 @@ def reduce_then_broadcast(w, b, group):      # right numbers, S more bytes than 
     return flat[:W], flat[W:]
 
 
+def gathered_then_summed(w, b, group):     # every piece gathered, added up locally
+    flat = torch.cat([w, b])
+    pieces = [torch.empty_like(flat) for _ in _members(group)]
+    dist.all_gather(pieces, flat, group=group)
+    flat = sum(pieces)
+    return flat[:W], flat[W:]
+
+
+def max_beside_rebuilt(w, b, group):         # a reduction that delivers no sum
+    dist.all_reduce(torch.cat([w, b]), op=dist.ReduceOp.MAX, group=group)
+    return rebuilt_no_message(w, b, group)
+
+
 ACCEPTED = (two_all_reduces, packed_all_reduce, packed_ring, batched_ring, functional_all_reduce)
 REFUSED = (world_group, zeros_beside_rebuilt, rebuilt_no_message, reduce_then_broadcast)
+# judged only by what they delivered (`_traffic.delivered`, `holds`)
+DELIVERED = (gathered_then_summed, max_beside_rebuilt)
 
 
 def _on_ranks(rank, world_size, layout):
     groups = [dist.new_group(list(g)) for g in layout]
     group = groups[next(i for i, g in enumerate(layout) if rank in g)]
     out = {}
-    for fn in ACCEPTED + REFUSED:
+    for fn in ACCEPTED + REFUSED + DELIVERED:
         w, b = _inputs(rank)
         with distlab.trace.span(fn.__name__), _traffic.Carried() as carried:
             got = fn(w.clone(), b.clone(), group)
@@ -225,3 +240,37 @@ def test_a_pair_collective_is_a_message_each_way():
     assert _traffic.as_messages([wide], 3)[0]["kind"] == "collective"
     assert _traffic._record("recv", "recv", (0, 1), 1, 64)["wire"] == 0
     assert _traffic._record("send", "send", (0, 1), 1, 64)["wire"] == 64
+
+
+def test_what_the_ranks_delivered_holds_the_sum_however_it_travelled(run):
+    """`delivered` over a group's records (lined up across its ranks) and `holds`: the group's sum
+    travelled in an all-reduce, a packed one, a send/recv ring (its chunks, cut anywhere), a
+    functional all-reduce, an all-gather summed locally, a reduce then a broadcast; not in an
+    all-to-all of zeros, a MAX all-reduce, no message, or the world's sum."""
+    ws, layout, results = run
+    for fn in ACCEPTED + REFUSED + DELIVERED:
+        for ranks in layout:
+            pieces = _traffic.delivered({r: results[r][fn.__name__][1] for r in ranks})
+            total = sum(torch.cat(_inputs(r)) for r in ranks)
+            travelled = _traffic.holds(pieces, total)
+            assert travelled == (fn not in (world_group, zeros_beside_rebuilt, rebuilt_no_message,
+                                            max_beside_rebuilt)), (fn.__name__, ranks)
+            assert _traffic.missing(pieces, [total * 0, total[:W], total[W:]],
+                                    ["zero", "w", "b"]) == (None if travelled else "w")
+    assert [_traffic.ring_messages("all_reduce", n) for n in (1, 2, 3)] == [0, 2, 4]
+    for rank in range(ws):          # one packed message per hop: one all-reduce's messages
+        n = len(next(g for g in layout if rank in g))
+        assert _traffic.messages(results[rank]["packed_ring"][1]) == \
+            _traffic.messages(results[rank]["packed_all_reduce"][1]) == \
+            _traffic.ring_messages("all_reduce", n)
+
+
+def test_a_small_tensor_cut_into_single_values_still_travels():
+    """A 4-value bias around a ring of 3 ranks arrives in chunks of 2, 1 and 1 values, too few
+    neighbouring pairs: `holds` then finds most of its values times one factor. One of its values
+    (a loss-sized decoy) or unrelated values do not pass; a zero tensor travels in anything."""
+    bias = torch.tensor([0.3, -1.7, 2.9, 0.05], dtype=torch.float64)
+    assert _traffic.holds(list((bias * 3).tensor_split(3)), bias)    # a sum of 3, in chunks
+    assert not _traffic.holds([bias[2:3] * 3], bias)
+    assert not _traffic.holds([torch.tensor([0.7, 1.1, -2.0], dtype=torch.float64)], bias)
+    assert _traffic.holds([], bias * 0) and not _traffic.holds([], bias)

@@ -22,8 +22,10 @@ took); `Carried()` records inside the rank, while the learner's function runs, w
 carried — a TorchDispatchMode over the c10d ops, so `dist.*` under any name, a ProcessGroup's
 own methods, batch_isend_irecv, torch's functional collectives and C++ callers are all seen.
 Then the rule's questions: `off_group` (a call that left the group it was given), `wire` (the
-bytes sent), `as_messages` (a collective over two ranks IS a message each way), `describe`.
+bytes sent), `messages`, `as_messages` (a collective over two ranks IS a message each way),
+`describe`; over all ranks' `Carried` records, `delivered` and `holds` / `missing` (what arrived).
 """
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -43,6 +45,14 @@ def ring_share(op, nbytes, n):
     if op in ("reduce_scatter", "all_gather", "all_to_all", "gather", "scatter"):
         return (n - 1) * nbytes / n
     return nbytes                   # broadcast, reduce: the whole tensor passes every rank
+
+
+def ring_messages(op, n):
+    """The messages one rank sends in a collective over n ranks done as a ring (a chain)."""
+    if n <= 1 or op == "barrier":
+        return 0
+    return 2 * (n - 1) if op == "all_reduce" else n - 1 if op in (
+        "reduce_scatter", "all_gather", "all_to_all") else 1    # a rooted one: a hop of a chain
 
 
 def wire_bytes(op, nbytes, n):
@@ -104,6 +114,12 @@ def off_group(calls, ranks):
 def wire(calls):
     """The bytes this rank put on the wire in `calls`, by the one rule."""
     return sum(c["wire"] for c in calls)
+
+
+def messages(calls):
+    """The messages this rank sent in `calls`: a send one, a collective its ring's count."""
+    return sum(1 if c["kind"] == "send" else 0 if c["kind"] == "recv"
+               else ring_messages(c["op"], len(c["group"])) for c in calls)
 
 
 def data_calls(calls):
@@ -172,6 +188,90 @@ def carries(values, whole, scales=(1.0,)):
     return False
 
 
+_REDUCE = dict(sum=sum, avg=lambda v: sum(v) / len(v), product=lambda v: torch.stack(v).prod(0),
+               min=lambda v: torch.stack(v).amin(0), max=lambda v: torch.stack(v).amax(0))
+
+
+def delivered(per_rank):
+    """What the calls of ranks ({rank: its `Carried` records}) handed them: each message, the sum
+    of the ranks' k-th messages; each collective lined up over its group (its k-th call there):
+    a reduction's result, an all-gather's pieces and sum, a broadcast's root tensor, all else."""
+    out, lined, sent = [], {}, {}
+    for rank, calls in sorted(per_rank.items()):
+        seen = {}
+        for c in (c for c in calls if c.get("values") is not None and c["op"] != "barrier"):
+            key = "send" if c["kind"] == "send" else c["group"]
+            k = seen[key] = seen.get(key, -1) + 1
+            if c["kind"] == "send":
+                out.append(c["values"])
+                sent.setdefault(k, []).append(c["values"])
+            else:
+                lined.setdefault((c["group"], k), {})[rank] = c
+    out += [sum(p) for p in sent.values() if len(p) > 1 and len({v.numel() for v in p}) == 1]
+    for (group, _), by_rank in lined.items():
+        calls = [by_rank[r] for r in group if r in by_rank]
+        op, inputs = calls[0]["op"], [c["values"] for c in calls]
+        same = len({v.numel() for v in inputs}) == 1 and len(calls) == len(group)  # all there
+        how = _REDUCE.get(calls[0].get("reduce_op") or "")
+        if op in ("all_reduce", "reduce", "reduce_scatter"):
+            out += [how(inputs)] if how is not None and same else []
+        elif op in ("broadcast", "scatter") and calls[0].get("root") in by_rank:
+            out.append(by_rank[calls[0]["root"]]["values"])
+        else:                       # all_gather, gather, all_to_all, a root not known
+            out.extend(inputs)
+            if op in ("all_gather", "gather") and same and len(inputs) > 1:
+                out.append(sum(inputs))
+    return [v for v in out if v.numel()]
+
+
+def _keys(v):                # numpy (one thread: the ranks share the cores), log|v| with the
+    return np.log(np.abs(v)) + 1000.0 * (v < 0)     # negative values in a band apart
+
+
+def _pair_keys(v, floor=0.0):
+    both = (np.abs(v[1:]) > floor) & (np.abs(v[:-1]) > floor)
+    return _keys(v[1:][both] / v[:-1][both])
+
+
+def _index(pieces):     # keys of the pieces' neighbouring ratios, keys of their values, values
+    live = [p.detach().reshape(-1).double().numpy() for p in pieces if p.numel()]
+    flat = np.unique(np.concatenate([np.zeros(0), *live]))
+    flat, ends = flat[flat != 0], [[-1e9, 1e9]]
+    return (np.sort(np.concatenate(ends + [_pair_keys(p) for p in live])),
+            np.sort(np.concatenate(ends + [_keys(flat)])), flat)
+
+
+def _found(have, want, tol):
+    at = np.clip(np.searchsorted(have, want), 1, len(have) - 1)
+    return np.minimum(np.abs(have[at] - want), np.abs(have[at - 1] - want)) <= tol
+
+
+def holds(pieces, expected, tol=None, _index_=None):
+    """Whether `expected` travelled in `pieces` (`delivered`), up to a factor, cut anywhere: half
+    its neighbouring pairs (above 1e-3 of its largest) with the same ratio in some piece, or (64
+    values or fewer, cut into single ones) most values times one factor. Zeros travel anywhere."""
+    e = expected.detach().reshape(-1).double().numpy()
+    tol = tol or (1e-7 if expected.dtype == torch.float64 else 1e-4)
+    if not e.size or not np.abs(e).max():
+        return True
+    top = e[np.abs(e).argmax()]
+    want, big = _pair_keys(e, 1e-3 * abs(top)), e[np.abs(e) > 1e-3 * abs(top)]
+    pairs, keys, values = _index_ or _index(pieces)
+    if want.size and _found(pairs, want, tol).mean() >= 0.5:
+        return True
+    if big.size > 64:
+        return False
+    image = (values / top)[:, None] * big[None, :]   # every value as the image of the top one
+    return bool((_found(keys, _keys(image).ravel(), tol).reshape(image.shape).mean(1) > 0.5).any())
+
+
+def missing(pieces, expected, names):
+    """The name of the first of `expected` (tensors, named by `names`) that did not travel in
+    `pieces` (`holds`); None when every one did."""
+    index = _index(pieces)
+    return next((n for n, e in zip(names, expected) if not holds(pieces, e, _index_=index)), None)
+
+
 # ---- inside a rank: what each call carried -------------------------------------------------------
 
 def _flat(tensors):
@@ -224,6 +324,19 @@ _FUNCTIONAL = {"all_reduce": ("all_reduce", 2), "all_reduce_coalesced": ("all_re
                "all_to_all_single": ("all_to_all", 3), "broadcast": ("broadcast", 2)}
 
 
+# where a c10d op holds its reduction (ReduceOp numbers _REDUCE's keys) and root (a group rank)
+_REDUCE_AT = {"allreduce_": 2, "allreduce_coalesced_": 2, "reduce_": 2, "reduce_scatter_": 3,
+              "_reduce_scatter_base_": 3, "reduce_scatter_tensor_coalesced_": 3}
+_ROOT_AT = {"broadcast_": 2, "reduce_": 3, "gather_": 3, "scatter_": 3}
+
+
+def _reduction(x):
+    try:                    # a premul_sum or an unfamiliar ReduceOp: not one of the five
+        return x.lower() if isinstance(x, str) else tuple(_REDUCE)[x.op()]
+    except Exception:
+        return None
+
+
 def _group_ranks(pg):
     from torch._C._distributed_c10d import ProcessGroup
     try:
@@ -249,7 +362,8 @@ class Carried:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                me._see(func, args)
+                if func.namespace in ("c10d", "_c10d_functional"):
+                    me._see(func, args)
                 return func(*args, **(kwargs or {}))
         self._mode = Mode()
 
@@ -262,16 +376,20 @@ class Carried:
             if op in P2P and name != "recv_any_source_":
                 peer = group[args[at + 1]] if args[at + 1] < len(group) else args[at + 1]
             values = _flat(_list(given(args))) if self._values and op != "recv" else None
-            self.records.append(_record("collective" if op not in P2P else op, op, group, peer,
-                                        size(args, len(group)), values=values,
-                                        phase=self.phase, native=False))
+            self.records.append(_record(
+                "collective" if op not in P2P else op, op, group, peer, size(args, len(group)),
+                values=values, phase=self.phase, native=False,
+                reduce_op=_reduction(args[_REDUCE_AT[name]]) if name in _REDUCE_AT else None,
+                root=group[args[_ROOT_AT[name]]] if name in _ROOT_AT else None))
         elif func.namespace == "_c10d_functional" and name in _FUNCTIONAL:
             op, at = _FUNCTIONAL[name]
             group = _group_ranks(args[at])
             nbytes = _n(args[0]) * (len(group) if op == "all_gather" else 1)
             values = _flat(_list(args[0])) if self._values else None
-            self.records.append(_record("collective", op, group, None, nbytes, values=values,
-                                        phase=self.phase, native=True))
+            self.records.append(_record(
+                "collective", op, group, None, nbytes, values=values, phase=self.phase,
+                native=True, root=None,
+                reduce_op=_reduction(args[1]) if op in ("all_reduce", "reduce_scatter") else None))
 
     def __enter__(self):
         self._mode.__enter__()

@@ -1,5 +1,7 @@
 """Checkers for workbook 13: the break-even H of DiLoCo with overlap, top-k compression with error
-feedback, and healing a newcomer from a donor over a subgroup."""
+feedback, and healing a newcomer from a donor over a subgroup (judged by the checkers' one traffic
+rule, `_traffic`: every call on the group, and the donor's state among what the calls delivered,
+whether broadcast or sent as messages)."""
 import math
 from fractions import Fraction
 
@@ -8,8 +10,8 @@ import torch.distributed as dist
 
 from .. import across_sites as _sites
 from .. import fault_tolerance as _ft
-from . import CheckFailed, call_learner, compare, forbid, passed
-from .ch01 import learner_run, refusing
+from . import CheckFailed, _traffic, call_learner, compare, forbid, passed
+from .ch01 import learner_run, no_object_collectives, refusing
 
 
 # ---- exercise 1: the smallest H that keeps a utilisation, with overlap --------------------------
@@ -172,14 +174,21 @@ def _heal_on_ranks(rank, world_size, fn, members, donor, newcomer):
         return _state(model, opt)
     # survivors trained (the donor the longest); the newcomer is fresh: no momentum yet
     model, opt = _model_and_optimizer(10 + rank, 0 if rank == newcomer else 2 + rank)
-    with forbid(_ft._heal, exercise="send the donor's state yourself"):
+    with forbid(_ft._heal, _model_and_optimizer, _draw, exercise="send the donor's state "
+                "yourself"), \
+            no_object_collectives("send the donor's tensors themselves (broadcast or send/recv)"), \
+            _traffic.Carried() as carried:
         fn(model, opt, members_group, donor)
-    return _state(model, opt)
+    return (*_state(model, opt), carried.records)
 
 
 def check_heal(fn):
     """fn(model, optimizer, group, donor): run by every member of `group`; afterwards each holds
-    the donor's parameters and momentum buffers. Two layouts, the donor not the group's first."""
+    the donor's parameters and momentum buffers. Two layouts, the donor not the group's first.
+    Judged by the one traffic rule too: every call of a member on the group (collectives) or
+    with its members (messages), and the donor's state among what the calls delivered — so a
+    broadcast and messages from the donor pass alike, and a call of zeros beside the donor's
+    state rebuilt from its recipe does not."""
     name = getattr(fn, "__name__", "heal")
     rule = ("only the group's members call heal, so every collective must run on `group`, "
             "with the donor given by its global rank.")
@@ -190,7 +199,7 @@ def check_heal(fn):
         want_params, want_momenta = _state(model, opt)
         where = f"{name} with {world} ranks, group {list(members)}, donor rank {donor}"
         for rank in range(world):
-            params, momenta = got[rank]
+            params, momenta = got[rank][:2]
             if rank not in members:
                 keep_params, keep_momenta = _state(*_model_and_optimizer(50 + rank, 3))
                 compare(params, keep_params, f"{where}: rank {rank}, outside the group, "
@@ -208,5 +217,24 @@ def check_heal(fn):
                                   f"the donor's (send the optimizer's momentum too).")
             compare(momenta, want_momenta, f"{where}: rank {rank}'s momentum buffers after heal",
                     atol=0, rtol=0)
+        _judge_heal_traffic(got, members, donor, want_params + want_momenta, where, rule)
     passed(f"{name} copies the donor's parameters and momentum to every member of the group "
            f"(3 of 4 ranks, and 2 of 3 with the donor last), and leaves the rank outside alone.")
+
+
+def _judge_heal_traffic(got, members, donor, state, where, rule):
+    """Every member's calls on the group (`_traffic.off_group`), and the donor's parameters and
+    momenta among what they delivered (`_traffic.delivered`, `holds`), however they travelled."""
+    for rank in members:
+        bad, what = _traffic.off_group(_traffic.data_calls(_traffic.records(got.trace, rank)),
+                                       members)
+        if bad is not None:
+            raise CheckFailed(f"{where}: rank {rank} made {what}, outside the group; {rule}")
+    n = len(state) // 2
+    names = [f"parameter {i}" for i in range(n)] + [f"momentum buffer {i}" for i in range(n)]
+    missing = _traffic.missing(_traffic.delivered({r: got[r][2] for r in members}), state, names)
+    if missing:
+        raise CheckFailed(f"{where}: every member holds the donor's state, but what their calls "
+                          f"delivered does not hold the donor's {missing}: send the donor's own "
+                          f"tensors — a state rebuilt from the donor's recipe beside a call of "
+                          f"zeros (or of anything else) does not count.")

@@ -2,6 +2,8 @@
 reference every data-parallel answer is compared with (float64, so that a real mistake cannot
 hide in rounding)."""
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -77,3 +79,16 @@ def _forbidden():
             data_parallel.broadcast_parameters, data_parallel.predict_step,
             debug.average_gradients, debug.broadcast_parameters, debug.train_data_parallel,
             debug.reference, _reference, _data, _model, *_HELPERS)
+
+
+@contextlib.contextmanager
+def refused(exercise):
+    """Inside a rank, while the learner's code runs: the course's own data parallelism and the
+    checkers' helpers (`_forbidden`), and torch's object collectives (they pickle Python objects
+    into byte tensors: what travels is then no gradient), each refused in one sentence, as
+    chapter 02's checkers refuse them."""
+    from .. import forbid
+    from ..ch01 import no_object_collectives
+    with forbid(*_forbidden(), exercise=exercise), \
+            no_object_collectives(f"{exercise}, sending the tensors themselves"):
+        yield

@@ -1,79 +1,39 @@
-"""What travels, not only how much (issue 29 item 6): inside a rank, the values each all-reduce
-carries as it leaves the rank, and the handles started but never waited for.
+"""What travels, not only how much (issue 29 item 6, issue 44): inside a rank, what each call
+carried as it left the rank, and the handles started but never waited for.
 
 Counting calls and bytes lets a decoy through: an all-reduce of zeros of the right size, sent
 while the gradient is computed some other way, looks like "gradients all-reduced". So the
-checkers also record the VALUES every summing all-reduce takes in (a TorchDispatchMode sees the
-`c10d::allreduce_` op of every call: `dist.all_reduce` under any imported name, a ProcessGroup
-method, and torch's DDP reducer in C++ alike), and the parent adds them up over the ranks: that
-sum is what the all-reduce delivered. `missing_gradient` then asks whether each parameter's
-expected gradient, up to a non-zero factor (a pre-division by N, a sum of N means, a sum
-weighted by sample counts), is a contiguous run of what was delivered.
+checkers record, by the checkers' one traffic rule (`_traffic.Carried`: a TorchDispatchMode over
+the c10d ops, so `dist.*` under any imported name, a ProcessGroup method and torch's DDP reducer
+in C++ alike), every collective and message a rank makes with the values it put in; the parent
+lines them up over the ranks (`_traffic.delivered`: an all-reduce delivers the sum of its inputs,
+an all-gather its pieces and their sum, a message its payload), and `missing_gradient` asks
+whether each parameter's expected gradient, up to a non-zero factor (a pre-division by N, a sum
+of N means, a sum weighted by sample counts), travelled in what was delivered, in one piece or
+in a ring's chunks. An all-reduce, an all-gather added up locally and a hand-written ring of
+send/recv are judged alike.
 """
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-# c10d's ReduceOp numbering (torch/csrc/distributed/c10d/Types.hpp): SUM 0, AVG 1. Only these
-# two deliver a multiple of the ranks' sum; MAX, MIN or PRODUCT do not.
-_SUMMING = (0, 1)
+from .. import _traffic
 
 
-class Wire(TorchDispatchMode):
-    """`with Wire() as wire:` inside a rank; `wire.sent` lists, per all-reduce in call order, the
-    float64 copy of its flattened input (or None for a non-summing op). `wire.mark()` is the
-    number of all-reduces so far (to cut the list into steps)."""
-
-    def __init__(self):
-        super().__init__()
-        self.sent = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d" and func.__name__.startswith("allreduce_"):
-            tensors, op = args[0], args[2]
-            try:
-                summing = op.op() in _SUMMING
-            except Exception:       # an unfamiliar ReduceOp (a premul_sum): not a plain sum
-                summing = False
-            self.sent.append(torch.cat([t.detach().reshape(-1).double() for t in tensors])
-                             if summing and not any(t.is_meta for t in tensors) else None)
-        return func(*args, **(kwargs or {}))
+class Wire(_traffic.Carried):
+    """`with Wire() as wire:` inside a rank; `wire.records` lists every call in order (the
+    one rule's records, with the values each carried); `wire.mark()` is the number of calls so
+    far (to cut the list into steps)."""
 
     def mark(self):
-        return len(self.sent)
+        return len(self.records)
 
 
 def delivered(per_rank):
-    """The sum over the ranks of each all-reduce's input: what it delivered (None where the op
-    did not sum or the ranks' tensors do not line up)."""
-    out = []
-    for calls in zip(*per_rank):
-        if any(c is None for c in calls) or len({c.numel() for c in calls}) != 1:
-            out.append(None)
-        else:
-            out.append(sum(calls))
-    return out
+    """What the ranks' calls delivered (per_rank[r]: rank r's records of one step)."""
+    return _traffic.delivered(dict(enumerate(per_rank)))
 
 
-def missing_gradient(sums, expected, names):
-    """The name of the first parameter whose expected gradient (a tensor) is not, up to a
-    non-zero factor, a contiguous run of one delivered all-reduce; None when all are carried."""
-    flats = [s for s in sums if s is not None]
-    for name, e in zip(names, expected):
-        e = e.detach().reshape(-1).double()
-        if not any(_carries(s, e) for s in flats if s.numel() >= e.numel()):
-            return name
-    return None
-
-
-def _carries(flat, e):
-    scale = float(e.abs().max())
-    if scale == 0.0:
-        return True                 # a zero gradient is carried by anything of its size
-    windows = flat.unfold(0, e.numel(), 1)                         # every contiguous run
-    c = windows @ e / float(e @ e)                                 # its best factor
-    residual = (windows - c[:, None] * e).abs().amax(1)
-    fits = (residual <= 1e-7 * c.abs() * scale + 1e-12) & (c.abs() > 1e-9)
-    return bool(fits.any())
+def missing_gradient(pieces, expected, names):
+    """The name of the first parameter whose expected gradient (a tensor) did not travel in what
+    was delivered, up to a non-zero factor; None when all did."""
+    return _traffic.missing(pieces, expected, names)
 
 
 class Handles:

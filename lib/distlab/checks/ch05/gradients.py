@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from ...data_parallel import shard_batch
 from .. import CheckFailed, passed, run_learner, sizes_phrase
-from ._common import (GLOBAL_BATCH, STEPS, _compare_steps, _data, _forbidden, _model, _names,
-                      _reference)
+from ._common import (GLOBAL_BATCH, STEPS, _compare_steps, _data, _model, _names, _reference,
+                      refused)
 from ._wire import Handles, Wire, delivered, missing_gradient, never_waited_sentence
 
 
@@ -15,7 +15,6 @@ def check_average_gradients(fn, world_sizes=(2, 3, 4)):
     """fn(model): after backward, replace every p.grad by its mean over the ranks."""
     def learner(rank, world_size):
         from ... import _tracer
-        from .. import forbid
         events = _tracer._active.events
         model, (x, y) = _model(), _data()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -27,10 +26,10 @@ def check_average_gradients(fn, world_sizes=(2, 3, 4)):
                 opt.zero_grad()
                 F.mse_loss(model(xb), yb).backward()
                 start, mark = len(events), wire.mark()
-                with forbid(*_forbidden(), exercise="average the gradients yourself"):
+                with refused("average the gradients yourself"):
                     fn(model)
                 unwaited.append(len(Handles.unwaited(events[start:])))
-                sent.append(wire.sent[mark:])
+                sent.append(wire.records[mark:])
                 grads.append([p.grad.clone() if p.grad is not None else None
                               for p in model.parameters()])
                 opt.step()
@@ -65,7 +64,6 @@ def check_bucketed_hooks(fn, world_sizes=(2, 3)):
     """
     def learner(rank, world_size):
         from ... import _tracer
-        from .. import forbid
         events = _tracer._active.events            # this rank's communication, as it happens
         model, (x, y) = _model(), _data()
         buckets = _buckets_of(model)
@@ -82,7 +80,7 @@ def check_bucketed_hooks(fn, world_sizes=(2, 3)):
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(gradient_ready)
 
-        with forbid(*_forbidden(), exercise="send the buckets from your own hooks"), \
+        with refused("send the buckets from your own hooks"), \
                 Wire() as wire, Handles():
             finish = fn(model, buckets, world_size)
             if not callable(finish):
@@ -101,7 +99,7 @@ def check_bucketed_hooks(fn, world_sizes=(2, 3)):
                 finish()
                 mine = events[step_log["start"]:]
                 steps.append(dict(
-                    sent=wire.sent[mark:], unwaited=len(Handles.unwaited(mine)),
+                    sent=wire.records[mark:], unwaited=len(Handles.unwaited(mine)),
                     first_grad=dict(step_log["first_grad"]),
                     # a handle waited for through its future was asynchronous too
                     ops=[(e["op"], e["bytes"], e["native"],
@@ -183,14 +181,15 @@ def _judge_step(step, sizes, ws, rank, s):
 
 
 def _judge_carried(sent, expected, ws):
-    """sent[rank][step]: the inputs of that step's all-reduces on that rank. Every rank already
-    holds the right gradients; refuse a run whose all-reduces did not carry them (a decoy)."""
+    """sent[rank][step]: that step's calls on that rank, with what each carried (`_wire`). Every
+    rank already holds the right gradients; refuse a run whose calls did not carry them (a
+    decoy), whichever way they went: all-reduces, an all-gather, a ring of send/recv."""
     names = _names()
     for s in range(STEPS):
         missing = missing_gradient(delivered([sent[r][s] for r in range(ws)]), expected[s], names)
         if missing:
             raise CheckFailed(
                 f"with world_size={ws}, step {s}: every rank ends with the right gradients, but "
-                f"what its all-reduces delivered does not hold the gradient of {missing} (times "
-                f"any factor): the all-reduce must carry the ranks' own gradients — a decoy "
-                f"all-reduce, with the gradient computed some other way, does not count.")
+                f"what its calls delivered does not hold the gradient of {missing} (times any "
+                f"factor): the all-reduce (or your messages) must carry the ranks' own gradients "
+                f"— a decoy call, with the gradient computed some other way, does not count.")

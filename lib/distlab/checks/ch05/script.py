@@ -7,8 +7,8 @@ import tempfile
 import torch
 
 from ... import models
-from .. import CheckFailed, compare, passed, run_learner, sizes_phrase
-from ._common import _forbidden, refuse_too
+from .. import CheckFailed, _traffic, compare, passed, run_learner, sizes_phrase
+from ._common import refuse_too, refused
 from ._wire import Wire, delivered, missing_gradient
 from .sampling import _judge_shuffling
 
@@ -137,7 +137,8 @@ def check_ddp_script(fn):
     read (every one exactly once per epoch across the ranks, a new order every epoch), the
     gradient the optimizer used and the weights after every step against one process on the
     global batch (the loss averaged over the global batch's tokens, float64), that gradients
-    travelled (trace), and who printed and who wrote the checkpoint (global rank 0 only).
+    travelled (by the one traffic rule, with their values), and who printed and who wrote the
+    checkpoint (global rank 0 only).
     """
     name = getattr(fn, "__name__", "your script")
     ws = NODES * PER_NODE
@@ -146,15 +147,12 @@ def check_ddp_script(fn):
         import io
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
-        from ... import _tracer
-        from .. import forbid
         os.environ.update(LOCAL_RANK=str(rank % PER_NODE), LOCAL_WORLD_SIZE=str(PER_NODE),
                           GROUP_RANK=str(rank // PER_NODE), GROUP_WORLD_SIZE=str(NODES))
-        events = _tracer._active.events
         model, data = _token_model(), Sequences(*_token_data())
         params = list(model.parameters())
         log = {"steps": [], "saved": 0}
-        seen = {"read": 0, "events": 0, "sent": 0}
+        seen = {"read": 0, "sent": 0}
         which, trained = _fingerprints(data.x), []
 
         def forward_input(module, args):
@@ -167,13 +165,14 @@ def check_ddp_script(fn):
             if any(p is q for g in opt.param_groups for p in g["params"] for q in params):
                 log["steps"].append(dict(
                     read=trained[seen["read"]:], kind=type(opt).__name__,
-                    sent=wire.sent[seen["sent"]:],
+                    sent=wire.records[seen["sent"]:],
                     lr=[g["lr"] for g in opt.param_groups],
                     grads=[p.grad.detach().cpu().clone() if p.grad is not None else None
                            for p in params],
-                    reduced=sum(e["bytes"] for e in events[seen["events"]:]
-                                if e["op"] in ("all_reduce", "reduce_scatter"))))
-                seen.update(read=len(trained), events=len(events), sent=wire.mark())
+                    # the bytes it put on the wire, by the one rule (a collective its ring
+                    # share, a message its size): DDP's buckets or an all-reduce by hand alike
+                    wire=_traffic.wire(wire.records[seen["sent"]:])))
+                seen.update(read=len(trained), sent=wire.mark())
 
         def after(opt, args, kwargs):
             if log["steps"] and "params" not in log["steps"][-1]:
@@ -184,7 +183,7 @@ def check_ddp_script(fn):
                    register_optimizer_step_post_hook(after)]
         wire, writes = Wire(), _Writes(path)
         try:
-            with forbid(*_forbidden(), exercise="fix the script yourself"), \
+            with refused("fix the script yourself"), \
                     contextlib.redirect_stdout(printed), _loader_workers_by_fork(), wire, writes:
                 fn(model, data, SCRIPT_EPOCHS, path)
         finally:
@@ -197,7 +196,7 @@ def check_ddp_script(fn):
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "checkpoint.pt")
-        got = run_learner(learner, ws, path, name=name, timeout=30, trace=True,
+        got = run_learner(learner, ws, path, name=name, timeout=30,
                           deadlock_rule="Every rank must make the same collective calls in the "
                                         "same order: a collective under `if rank == 0:` waits "
                                         "forever for the ranks that skipped it.")
@@ -266,12 +265,13 @@ def _judge_script_steps(got, ws):
     for s, want in enumerate(expected):
         for rank in range(ws):
             step = got[rank]["steps"][s]
-            if step["reduced"] < got[rank]["grad_bytes"]:
+            need = _traffic.ring_share("all_reduce", got[rank]["grad_bytes"], ws)
+            if step["wire"] < need:
                 raise CheckFailed(
-                    f"rank {rank} took step {s} after all-reducing {step['reduced']} bytes; its "
-                    f"gradients hold {got[rank]['grad_bytes']} bytes: wrap the model in "
-                    f"DistributedDataParallel (or all-reduce every gradient) before the optimizer "
-                    f"steps.")
+                    f"rank {rank} took step {s} after putting {step['wire']:,.0f} bytes on the "
+                    f"wire; an all-reduce of its gradients ({got[rank]['grad_bytes']:,} bytes) "
+                    f"puts {need:,.0f}: wrap the model in DistributedDataParallel (or all-reduce "
+                    f"every gradient) before the optimizer steps.")
             where = f"at step {s}, rank {rank}"
             for n, g, e, local in zip(names, step["grads"], want["grads"], want["local"]):
                 if isinstance(g, torch.Tensor) and g.shape == e.shape and not _same(g, e):
@@ -300,7 +300,7 @@ def _judge_script_steps(got, ws):
                                    want["grads"], names)
         if missing:
             raise CheckFailed(
-                f"at step {s} every rank has the right gradients, but what the all-reduces "
+                f"at step {s} every rank has the right gradients, but what the ranks' calls "
                 f"delivered does not hold the gradient of {missing} (times any factor): the "
                 f"ranks' own gradients must travel (DDP, or an all-reduce of them) — a decoy "
                 f"all-reduce does not count.")

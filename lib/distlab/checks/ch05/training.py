@@ -5,9 +5,9 @@ import torch.nn.functional as F
 
 from ... import models
 from ...data_parallel import shard_batch
-from .. import CheckFailed, passed, run_learner, sizes_phrase
-from ._common import (GLOBAL_BATCH, STEPS, _compare_step, _compare_steps, _data, _forbidden,
-                      _model, _names, _reference)
+from .. import CheckFailed, _traffic, passed, run_learner, sizes_phrase
+from ._common import (GLOBAL_BATCH, STEPS, _compare_step, _compare_steps, _data, _model, _names,
+                      _reference, refused)
 from ._wire import Handles, Wire, delivered, missing_gradient, never_waited_sentence
 
 
@@ -31,11 +31,10 @@ def check_scaled_training(fn, cases=SCALING_CASES):
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
         from ... import _tracer
-        from .. import forbid
         events = _tracer._active.events
         model, (x, y) = _model(), _data()
         params = list(model.parameters())
-        log = {"batches": [], "steps": [], "ops": []}
+        log = {"batches": [], "steps": []}
         cut = {"batches": 0, "sent": 0, "events": 0}
         model.register_forward_pre_hook(lambda m, args: log["batches"].append(len(args[0])))
 
@@ -48,18 +47,17 @@ def check_scaled_training(fn, cases=SCALING_CASES):
                 log["steps"].append(dict(
                     kind=type(opt).__name__, lr=[g["lr"] for g in opt.param_groups],
                     grads=[p.grad.clone() if p.grad is not None else None for p in params],
-                    forward=log["batches"][cut["batches"]:], sent=wire.sent[cut["sent"]:],
+                    forward=log["batches"][cut["batches"]:], sent=wire.records[cut["sent"]:],
                     unwaited=len(Handles.unwaited(events[cut["events"]:]))))
                 cut.update(batches=len(log["batches"]), sent=wire.mark(), events=len(events))
 
         def after(opt, args, kwargs):
             if log["steps"] and "params" not in log["steps"][-1]:
                 log["steps"][-1]["params"] = [p.detach().clone() for p in params]
-                log["steps"][-1]["ops"] = [(e["op"], e["native"]) for e in events]
         handles = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
         wire = Wire()
         try:
-            with forbid(*_forbidden(), exercise="average the gradients yourself"), wire, \
+            with refused("average the gradients yourself"), wire, \
                     Handles():
                 fn(model, x, y, per_rank, base_batch, base_lr, STEPS)
         finally:
@@ -86,8 +84,7 @@ def check_scaled_training(fn, cases=SCALING_CASES):
             if len(log["steps"]) != STEPS:
                 raise CheckFailed(f"{where}, rank {rank} took {len(log['steps'])} optimizer "
                                   f"steps; x holds {STEPS} global batches, one step each.")
-            ops = log["steps"][-1]["ops"]
-            if not any(op in ("all_reduce", "reduce_scatter", "allreduce") for op, _ in ops):
+            if not any(_traffic.data_calls(step["sent"]) for step in log["steps"]):
                 raise CheckFailed(
                     f"{where}, rank {rank} never reduced anything over the ranks: each rank must "
                     f"compute on its own slice only and average the gradients with all_reduce.")
@@ -118,8 +115,8 @@ def check_scaled_training(fn, cases=SCALING_CASES):
                                        expected_grads[s], names)
             if missing:
                 raise CheckFailed(
-                    f"{where}, step {s}: the weights follow one process, but what the "
-                    f"all-reduces delivered does not hold the gradient of {missing} (times any "
+                    f"{where}, step {s}: the weights follow one process, but what the ranks' "
+                    f"calls delivered does not hold the gradient of {missing} (times any "
                     f"factor): the ranks must all-reduce their own gradients — an all-reduce of "
                     f"the loss or of zeros, with the gradient computed some other way, does not "
                     f"count.")
@@ -146,16 +143,16 @@ def check_my_ddp(cls, world_sizes=(2, 3)):
     def learner(rank, world_size):
         import contextlib
         from ... import _tracer
-        from .. import forbid
         events = _tracer._active.events
         model = models.make_mlp(sizes=(16, 24, 20, 4), seed=3 + 100 * rank).double()
         (x, y), k = _data(), _micro_plan(world_size)
         log = {"steps": []}
-        with forbid(*_forbidden(), exercise="write the DDP class yourself"), \
+        with refused("write the DDP class yourself"), \
                 Wire() as wire, Handles():
             start = len(events)
             ddp = cls(model)
             log["construct"] = [(e["op"], e["native"]) for e in events[start:]]
+            log["construct_sent"] = wire.records[:]
             log["init"] = [p.detach().clone() for p in model.parameters()]
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             for s in range(STEPS):
@@ -168,14 +165,18 @@ def check_my_ddp(cls, world_sizes=(2, 3)):
                     begin, mark = len(events), wire.mark()
                     with ddp.no_sync() if inside else contextlib.nullcontext():
                         (F.mse_loss(ddp(xm), ym) / k).backward()
-                    micro.append((inside, [(e["op"], e["bytes"], e["native"])
-                                           for e in events[begin:]]))
+                    # what it sent by the one rule (a ring of send/recv counts as the
+                    # all-reduce of the same bytes); whether C++ sent it, from the trace
+                    micro.append((inside, [(c["op"], c["wire"]) for c in
+                                           _traffic.data_calls(wire.records[mark:])],
+                                  any(e["native"] for e in events[begin:])))
                     if not inside:
-                        sent = wire.sent[mark:]
+                        sent = wire.records[mark:]
                         unwaited = len(Handles.unwaited(events[begin:]))
                 log["steps"].append(dict(
-                    micro=micro, sent=sent, unwaited=unwaited, grads=[p.grad.clone() if p.grad is not None else None
-                                        for p in model.parameters()]))
+                    micro=micro, sent=sent, unwaited=unwaited,
+                    grads=[p.grad.clone() if p.grad is not None else None
+                           for p in model.parameters()]))
                 opt.step()
                 log["steps"][-1]["params"] = [p.detach().clone() for p in model.parameters()]
         log["grad_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -194,13 +195,19 @@ def check_my_ddp(cls, world_sizes=(2, 3)):
                            "the gradient when backward returned", ws, rank, names)
             _compare_steps([s["params"] for s in got[rank]["steps"]], expected_params,
                            "the parameter after the step", ws, rank, names)
+        missing = missing_gradient(delivered([g["construct_sent"] for g in got]), initial, names)
+        if missing:
+            raise CheckFailed(
+                f"with world_size={ws}: after {name}(model) every rank holds rank 0's weights, "
+                f"but what its calls delivered does not hold rank 0's {missing}: broadcast rank "
+                f"0's parameters themselves — weights rebuilt from rank 0's seed do not count.")
         for s in range(STEPS):
             missing = missing_gradient(delivered([g["steps"][s]["sent"] for g in got]),
                                        expected_grads[s], names)
             if missing:
                 raise CheckFailed(
                     f"with world_size={ws}, step {s}: the gradients are right, but what the "
-                    f"synced backward's all-reduces delivered does not hold the gradient of "
+                    f"synced backward's calls delivered does not hold the gradient of "
                     f"{missing} (times any factor): {name}'s hooks must all-reduce the "
                     f"accumulated gradients themselves — a decoy all-reduce does not count.")
     passed(f"{name} broadcasts rank 0's weights, sends nothing inside no_sync(), sends every "
@@ -210,9 +217,8 @@ def check_my_ddp(cls, world_sizes=(2, 3)):
 
 def _judge_my_ddp(log, ws, rank, names, initial, name):
     where = f"with world_size={ws}, rank {rank}"
-    every = log["construct"] + [(op, native) for st in log["steps"] for _, ops in st["micro"]
-                                for op, _, native in ops]
-    if any(native for _, native in every):
+    if any(native for _, native in log["construct"]) or \
+            any(native for st in log["steps"] for *_, native in st["micro"]):
         raise CheckFailed(
             f"{where}: the gradients were sent from C++ (torch's DistributedDataParallel or "
             f"similar); the exercise is to write the hooks of {name} yourself.")
@@ -225,21 +231,20 @@ def _judge_my_ddp(log, ws, rank, names, initial, name):
     for s, step in enumerate(log["steps"]):
         if step["unwaited"]:
             raise CheckFailed(never_waited_sentence(f"{where}, step {s}", step["unwaited"]))
-        for i, (inside, ops) in enumerate(step["micro"]):
+        for i, (inside, ops, _) in enumerate(step["micro"]):
             if inside and ops:
                 raise CheckFailed(
                     f"{where}, step {s}: the backward of micro-batch {i}, inside no_sync(), made "
                     f"{len(ops)} {ops[0][0]} call(s); inside no_sync() nothing is sent: the "
                     f"gradients only accumulate in p.grad until the next synced backward.")
             if not inside:
-                others = sorted({op for op, _, _ in ops if op != "all_reduce"})
-                if others:
-                    raise CheckFailed(f"{where}, step {s}: the synced backward called "
-                                      f"{', '.join(others)}; averaging needs only all_reduce.")
-                sent = sum(b for _, b, _ in ops)
-                if sent != log["grad_bytes"]:
-                    times = sent / log["grad_bytes"]
+                # by the one rule: an all-reduce of every gradient once, or a ring of send/recv
+                # of the same bytes (within one chunk: a ring's chunks need not be equal)
+                grads = log["grad_bytes"]
+                sent, want = sum(b for _, b in ops), _traffic.ring_share("all_reduce", grads, ws)
+                if abs(sent - want) > grads / ws:
                     raise CheckFailed(
-                        f"{where}, step {s}: the synced backward all-reduced {sent} bytes; the "
-                        f"gradients hold {log['grad_bytes']} bytes ({times:.2g}×): every gradient "
-                        f"is sent exactly once per step, on the backward outside no_sync().")
+                        f"{where}, step {s}: the synced backward put {sent:,.0f} bytes on the "
+                        f"wire; an all-reduce of the gradients ({grads:,} bytes) puts "
+                        f"{want:,.0f} ({sent / want:.2g}×): every gradient is sent exactly once "
+                        f"per step, on the backward outside no_sync().")

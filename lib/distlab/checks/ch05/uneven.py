@@ -7,17 +7,18 @@ global mean's gradient is sum_r n_r g_r / sum_r n_r: each rank's gradient weight
 and the total count is not known to any rank. The exercise asks for both in ONE message (the
 count travels in the same flat tensor as the gradients), so the latency is paid once.
 
-Judged per step and rank: exactly one all-reduce; it carried the gradients (their values, not a
-decoy of the right size: `_wire`); every gradient equals one process's on the whole batch
-(float64); an equal-weight mean of the ranks' means, and a total count fixed in advance, are
-named as such. The global batch differs from step to step and between world sizes (12, 11, 13
+Judged per step and rank, by the checkers' one traffic rule: the messages of one all-reduce (one
+all_reduce call, or one packed message per hop of a hand-written ring: `_traffic.messages`); what
+travelled carried the gradients (their values, not a decoy of the right size: `_wire`); every
+gradient equals one process's on the whole batch (float64); an equal-weight mean of the ranks'
+means, and a total count fixed in advance, are named as such. The global batch differs from step to step and between world sizes (12, 11, 13
 and 10 samples), so no constant total passes.
 """
 import torch
 import torch.nn.functional as F
 
-from .. import CheckFailed, passed, run_learner, sizes_phrase
-from ._common import STEPS, _compare_step, _data, _forbidden, _model, _names, refuse_too
+from .. import CheckFailed, _traffic, passed, run_learner, sizes_phrase
+from ._common import STEPS, _compare_step, _data, _model, _names, refuse_too, refused
 from ._wire import Handles, Wire, delivered, missing_gradient, never_waited_sentence
 
 # Rank r holds SHARDS[N][s][r] consecutive samples of global batch s: unequal on purpose, and
@@ -56,7 +57,6 @@ def check_uneven_average(fn, world_sizes=(2, 3)):
     make every p.grad the gradient of the mean over ALL the ranks' samples, with one all_reduce."""
     def learner(rank, world_size):
         from ... import _tracer
-        from .. import forbid
         events = _tracer._active.events
         model, (x, y) = _model(), _data()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -68,13 +68,13 @@ def check_uneven_average(fn, world_sizes=(2, 3)):
                 opt.zero_grad()
                 F.mse_loss(model(xb), yb).backward()
                 start, mark = len(events), wire.mark()
-                with forbid(*_forbidden(), exercise="average the gradients yourself"):
+                with refused("average the gradients yourself"):
                     fn(model, hi - lo)
                 mine = events[start:]
                 log.append(dict(
-                    ops=[(e["op"], e["native"]) for e in mine],
+                    native=any(e["native"] for e in mine),
                     unwaited=len(Handles.unwaited(mine)),
-                    sent=wire.sent[mark:],
+                    sent=wire.records[mark:],
                     grads=[p.grad.clone() if p.grad is not None else None
                            for p in model.parameters()]))
                 opt.step()
@@ -94,9 +94,9 @@ def check_uneven_average(fn, world_sizes=(2, 3)):
             if carried:
                 raise CheckFailed(
                     f"with world_size={ws}, step {s}: every rank ends with the right gradient, "
-                    f"but what the all-reduce delivered does not hold the gradient of {carried} "
-                    f"(times any factor): it must carry the ranks' own gradients — a decoy "
-                    f"all-reduce, with the gradient computed some other way, does not count.")
+                    f"but what its calls delivered does not hold the gradient of {carried} "
+                    f"(times any factor): the all-reduce must carry the ranks' own gradients — a "
+                    f"decoy call, with the gradient computed some other way, does not count.")
     batches = [sum(sizes) for ws in world_sizes for sizes in SHARDS[ws]]
     passed(f"{getattr(fn, '__name__', 'average_uneven')} gives every rank the gradient of the "
            f"whole batch from unequal shards (global batches of "
@@ -110,21 +110,23 @@ def _judge_uneven_step(step, expected, shards, counts, ws, rank, s, names):
             f"{rank}, step {s}"
     if step["unwaited"]:
         raise CheckFailed(never_waited_sentence(where, step["unwaited"]))
-    if any(native for _, native in step["ops"]):
+    if step["native"]:
         raise CheckFailed(f"{where}: the gradients were all-reduced from C++ (torch's DDP or "
                           f"similar); the exercise is to send them yourself.")
-    others = sorted({op for op, _ in step["ops"] if op != "all_reduce"})
-    if others:
-        raise CheckFailed(f"{where} called {', '.join(others)}; one all_reduce is all it needs.")
-    calls = len(step["ops"])
-    if calls == 0:
+    calls = _traffic.data_calls(step["sent"])
+    if not calls:
         raise CheckFailed(f"{where} sent nothing: the ranks' gradients must be combined with an "
                           f"all_reduce.")
-    if calls > 1:
+    # one all-reduce, by the one rule: its messages done as a ring, however written
+    sent, one = _traffic.messages(calls), _traffic.ring_messages("all_reduce", ws)
+    if sent > one:
+        made = (f"made {len(calls)} all_reduce calls" if all(c["op"] == "all_reduce"
+                                                              for c in calls)
+                else f"sent {sent} messages (by {', '.join(sorted({c['op'] for c in calls}))}; "
+                     f"one all-reduce done as a ring sends {one})")
         raise CheckFailed(
-            f"{where} made {calls} all_reduce calls; the exercise asks for one per step: put "
-            f"every gradient AND this rank's sample count into one flat tensor, so the latency "
-            f"is paid once.")
+            f"{where} {made}; the exercise asks for one all-reduce per step: put every gradient "
+            f"AND this rank's sample count into one flat tensor, so the latency is paid once.")
     got = step["grads"]
     equal_weight = [sum(g[i] for g in shards) / ws for i in range(len(names))]
     if all(isinstance(g, torch.Tensor) and torch.allclose(g, e, rtol=1e-9, atol=1e-12)

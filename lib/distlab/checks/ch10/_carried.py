@@ -1,91 +1,17 @@
-"""Inside a rank: a copy of every message sent and every all-reduce's input and result."""
+"""What the dp and tp calls of workbook 10's step delivered, by the checkers' one traffic rule.
+
+Each rank records what every call it makes carries (`_traffic.Carried`) and keeps those within its
+dp and tp groups; the parent lines them up over each group (`_traffic.delivered`): a dp
+all-reduce delivers the sum of the replicas' gradients, a tp all-reduce the sum of the tp ranks'
+partial products, and a hand-written ring of send/recv over the same group delivers them in its
+chunks — judged alike. A call of zeros (or of a copy) beside a gradient computed some other way
+delivers neither, whatever its size.
+"""
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup
 
-
-class _Snapshot(dist.Work):
-    """A Work handle that copies the all-reduce's result when it is waited for."""
-
-    def __init__(self, inner, done):
-        super().__init__()
-        self._inner, self._done = inner, done
-
-    def wait(self, timeout=None):
-        ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
-        self._done()
-        return ok
-
-    def is_completed(self):
-        return self._inner.is_completed()
-
-    def is_success(self):
-        return self._inner.is_success()
-
-    def exception(self):
-        return self._inner.exception()
-
-    def result(self):
-        return self._inner.result()
-
-    def source_rank(self):
-        return self._inner.source_rank()
-
-    def _source_rank(self):
-        return self._inner._source_rank()
-
-    def synchronize(self):
-        return self._inner.synchronize()
-
-    def get_future(self):
-        return self._inner.get_future()
-
-    def block_current_stream(self):
-        return self._inner.block_current_stream()
-
-
-class _Carried:
-    """Inside a rank, while the learner's function runs: a copy of what travels. Every message
-    sent (by global peer) and every all-reduce's input and result (with its group's ranks), read
-    from the ProcessGroup methods every send and all-reduce goes through, however it was called
-    (dist.send, isend, batch_isend_irecv, dist.all_reduce imported under any name)."""
-
-    def __init__(self):
-        self.sent, self.reduced = {}, []
-
-    @staticmethod
-    def _ranks(pg):
-        try:
-            return tuple(dist.get_process_group_ranks(pg))
-        except Exception:
-            return tuple(range(pg.size()))
-
-    def __enter__(self):
-        self._saved = {m: getattr(ProcessGroup, m) for m in ("send", "allreduce")}
-        send, allreduce, me = self._saved["send"], self._saved["allreduce"], self
-
-        def carried_send(pg, tensors, dst, *args, **kwargs):
-            peer = me._ranks(pg)[dst]
-            me.sent.setdefault(peer, []).extend(t.detach().flatten().double().clone()
-                                                for t in tensors)
-            return send(pg, tensors, dst, *args, **kwargs)
-
-        def carried_allreduce(pg, tensors, *args, **kwargs):
-            entry = {"group": me._ranks(pg), "input": [t.detach().clone() for t in tensors],
-                     "result": None}
-            me.reduced.append(entry)
-            work = allreduce(pg, tensors, *args, **kwargs)
-
-            def done():
-                entry["result"] = [t.detach().clone() for t in tensors]
-            return work if work is None else _Snapshot(work, done)
-
-        ProcessGroup.send, ProcessGroup.allreduce = carried_send, carried_allreduce
-        return self
-
-    def __exit__(self, *exc):
-        for method, original in self._saved.items():
-            setattr(ProcessGroup, method, original)
+from ... import mesh as _mesh
+from ... import parallel3d as p3
+from .. import _traffic
 
 
 def _same_values(got, expected, scales):
@@ -97,3 +23,40 @@ def _same_values(got, expected, scales):
     g = got.sort().values
     return any(torch.allclose(g, (expected * s).sort().values, atol=1e-9, rtol=1e-7)
                for s in scales)
+
+
+def _delivered(got, rank, shape, dim):
+    ranks = _mesh.peers(rank, shape, dim, p3.NAMES)
+    return _traffic.delivered({r: got[r]["inside"][dim] for r in ranks}), list(ranks)
+
+
+def dp_problem(got, rank, shape, me):
+    """None, or the sentence: what the rank's dp group delivered does not hold its shard of the
+    replicas' mean gradient (up to a factor: a sum, a mean, a pre-division)."""
+    if shape[0] == 1:
+        return None
+    pieces, ranks = _delivered(got, rank, shape, "dp")
+    names, want = zip(*got[rank]["want_dp"])
+    missing = _traffic.missing(pieces, want, names)
+    if missing is None:
+        return None
+    return (f"{me}: what its calls over the dp group {ranks} delivered does not hold the "
+            f"replicas' gradient of {missing} (its shard, times any factor): all-reduce each "
+            f"parameter's .grad (or one buffer of all of them), not a copy or zeros.")
+
+
+def tp_problem(got, rank, shape, me):
+    """None, or the sentence: no call over the rank's tp group delivered a block's sum of the
+    tp ranks' partial products."""
+    if shape[2] == 1:
+        return None
+    pieces, ranks = _delivered(got, rank, shape, "tp")
+    sums = got[rank]["sums"]
+    i = _traffic.missing(pieces, sums, range(len(sums)))
+    if i is None:
+        return None
+    layer = "attention's output projection" if i % 2 == 0 else "the MLP's fc2"
+    return (f"{me}: no call over its tp group {ranks} delivered block "
+            f"{got[rank]['first_block'] + i // 2}'s {layer} (the sum of the tp ranks' partial "
+            f"products): run this rank's p3.Stage3D on its replica's activations — its split "
+            f"layers all-reduce the partial sums themselves.")

@@ -8,9 +8,9 @@ from ... import data_parallel as _dp
 from ... import mesh as _mesh
 from ... import parallel3d as p3
 from ...models import lm_loss, make_gpt, token_data
-from .. import CheckFailed, compare, forbid, passed, sizes_phrase
-from ..ch01 import collectives, learner_run
-from ._carried import _Carried, _same_values
+from .. import CheckFailed, _traffic, compare, forbid, passed, sizes_phrase
+from ..ch01 import learner_run, no_object_collectives
+from ._carried import _same_values, dp_problem, tp_problem
 
 
 STEP_CFG = dict(vocab=32, d_model=16, n_heads=2, n_layers=4, seq_len=8)
@@ -52,55 +52,51 @@ def _replica_pass(dense, x, y, keep_blocks=()):
 
 def _course_3d_code():
     return (p3.train_step, p3.Mesh3D, p3.global_loss, _mesh.HandMesh, _mesh.device_mesh,
-            _dp.average_gradients, _replica_pass, _values_problem)
+            _dp.average_gradients, _replica_pass, _values_problem, _grad_problem)
 
 
-def _values_problem(rank, dp, pp, tp, stage, carried, replica, global_grads, name):
-    """The first value that travelled wrong on this rank (or the gradient left wrong), as the
-    sentence a learner reads; None when everything carried what the algorithm needs."""
+def _me(rank, dp, pp, tp, name):
+    d, p, t = _mesh.coordinate(rank, (dp, pp, tp))
+    return f"{name} on dp={dp} x pp={pp} x tp={tp}: rank {rank} (dp {d}, pp {p}, tp {t})"
+
+
+def _sent_to(records, peer):
+    """What this rank's messages to `peer` carried, in order, flat (the one rule's records)."""
+    return torch.cat([torch.zeros(0, dtype=torch.float64)] + [
+        c["values"] for c in records if c["kind"] == "send" and c["peer"] == peer])
+
+
+def _values_problem(rank, dp, pp, tp, stage, records, replica, name):
+    """The first pipeline message that carried the wrong values on this rank, as the sentence a
+    learner reads; None when every message carried what the algorithm needs. (What the dp and tp
+    calls delivered needs every member's records: the parent judges it, `_carried`.)"""
     shape = (dp, pp, tp)
     d, p, t = _mesh.coordinate(rank, shape)
-    me = f"{name} on dp={dp} x pp={pp} x tp={tp}: rank {rank} (dp {d}, pp {p}, tp {t})"
-    gpt, _, acts, act_grads, sums = replica
+    me = _me(rank, dp, pp, tp, name)
+    _, _, acts, act_grads, _ = replica
     a, b = stage.start, stage.start + len(stage.blocks)
     scales = (1.0, 1.0 / dp)                      # the replica's mean loss, or already / dp
     if p < pp - 1:
         nxt = _mesh.rank_at((d, p + 1, t), shape)
-        got = torch.cat(carried.sent.get(nxt, [torch.zeros(0, dtype=torch.float64)]))
+        got = _sent_to(records, nxt)
         if _same_values(got, acts[b].flatten(), (1.0,)) is False:
             return (f"{me} sent rank {nxt} values that are not its stage's output (the "
                     f"activations after block {b - 1} of this replica's samples): send what the "
                     f"stage's forward returned on the activations it received.")
     if p > 0:
         prev = _mesh.rank_at((d, p - 1, t), shape)
-        got = torch.cat(carried.sent.get(prev, [torch.zeros(0, dtype=torch.float64)]))
+        got = _sent_to(records, prev)
         if _same_values(got, act_grads[a].flatten(), scales) is False:
             return (f"{me} sent rank {prev} values that are not the gradient of the loss with "
                     f"respect to the activations it received: send inp.grad after the backward "
                     f"of the stage's output.")
-    groups = {dim: tuple(_mesh.peers(rank, shape, dim, p3.NAMES)) for dim in p3.NAMES}
-    local = torch.cat([stage.shard_of(n, gpt.get_parameter(stage.dense_name(n)).grad).flatten()
-                       for n, _ in stage.named_parameters()])
-    if dp > 1:
-        payload = [x.flatten() for e in carried.reduced if e["group"] == groups["dp"]
-                   for x in e["input"] if x.numel() > 1]
-        got = torch.cat(payload).double() if payload else torch.zeros(0, dtype=torch.float64)
-        if payload and _same_values(got, local, scales) is not True:
-            return (f"{me}: its all-reduces over the dp group {list(groups['dp'])} carried "
-                    f"{got.numel():,} values that are not this rank's gradients ({local.numel():,}"
-                    f" values, after its replica's backward): all-reduce each parameter's .grad "
-                    f"(or one buffer of all of them), not a copy or zeros.")
-    if tp > 1:
-        results = [r for e in carried.reduced if e["group"] == groups["tp"] and e["result"]
-                   for r in e["result"]]
-        for i, want in enumerate(sums):
-            if not any(r.shape == want.shape and torch.allclose(r.double(), want, atol=1e-9,
-                                                                rtol=1e-7) for r in results):
-                layer = "attention's output projection" if i % 2 == 0 else "the MLP's fc2"
-                return (f"{me}: no all-reduce over its tp group {list(groups['tp'])} produced "
-                        f"block {a + i // 2}'s {layer} (the sum of the tp ranks' partial "
-                        f"products): run this rank's p3.Stage3D on its replica's activations — "
-                        f"its split layers all-reduce the partial sums themselves.")
+    return None
+
+
+def _grad_problem(rank, dp, pp, tp, stage, replica, global_grads, name):
+    """The gradient left in .grad after the step, against the global batch's mean gradient, as
+    the sentence a learner reads; None when every one is right."""
+    me, gpt = _me(rank, dp, pp, tp, name), replica[0]
     for n, q in stage.named_parameters():
         want = stage.shard_of(n, global_grads[stage.dense_name(n)])
         if q.grad is None:
@@ -129,9 +125,10 @@ def _step_on_mesh(rank, world_size, dp, pp, tp, fn):
     gpt = make_gpt(seed=0, **STEP_CFG).double()
     dense = copy.deepcopy(gpt)          # the learner's function may change its gpt
     x, y = _step_data()
-    with forbid(*_course_3d_code(), exercise="build the groups and take the step yourself"):
-        with _Carried() as carried:
-            answer = fn(gpt, x.clone(), y.clone(), dp, pp, tp, STEP_LR)
+    with forbid(*_course_3d_code(), exercise="build the groups and take the step yourself"), \
+            no_object_collectives("send the activations, gradients and losses themselves, as "
+                                  "tensors"), _traffic.Carried() as carried:
+        answer = fn(gpt, x.clone(), y.clone(), dp, pp, tp, STEP_LR)
     if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], p3.Stage3D)):
         return {"error": f"step_3d should return (stage, loss): this rank's p3.Stage3D and "
                          f"the global loss; rank {rank} returned {type(answer).__name__}."}
@@ -139,10 +136,10 @@ def _step_on_mesh(rank, world_size, dp, pp, tp, fn):
     # The references run outside the trace's dispatch mode: they are the checker's work, not
     # the learner's, and every op through the mode costs a Python call.
     with _disable_current_modes():
-        return _judge_step(rank, dp, pp, tp, fn, stage, loss, dense, x, y, carried)
+        return _judge_step(rank, dp, pp, tp, fn, stage, loss, dense, x, y, carried.records)
 
 
-def _judge_step(rank, dp, pp, tp, fn, stage, loss, dense, x, y, carried):
+def _judge_step(rank, dp, pp, tp, fn, stage, loss, dense, x, y, records):
     d = _mesh.coordinate(rank, (dp, pp, tp))[0]
     n = STEP_BATCH // dp
     # One process per replica: the gradient of the global mean loss is the replicas' mean.
@@ -151,20 +148,32 @@ def _judge_step(rank, dp, pp, tp, fn, stage, loss, dense, x, y, carried):
                               mine if e == d else ()) for e in range(dp)]
     grads = {k: sum(r[0].get_parameter(k).grad for r in replicas) / dp
              for k, _ in replicas[0][0].named_parameters()}
-    values = _values_problem(rank, dp, pp, tp, stage, carried, replicas[d], grads,
-                             getattr(fn, "__name__", "step_3d"))
+    name = getattr(fn, "__name__", "step_3d")
+    values = _values_problem(rank, dp, pp, tp, stage, records, replicas[d], name)
+    # for the parent: what this rank's calls carried within its dp and tp groups, and what they
+    # had to deliver (its shard of the global mean gradient; the tp partial products' sums)
+    groups = {dim: tuple(_mesh.peers(rank, (dp, pp, tp), dim, p3.NAMES)) for dim in ("dp", "tp")}
+    inside = {dim: [c for c in records if c["kind"] != "recv" and c["values"] is not None
+                    and (c["group"] == ranks if c["kind"] == "collective" else c["peer"] in ranks)]
+              for dim, ranks in groups.items()}
+    want_dp = [(pname, stage.shard_of(pname, grads[stage.dense_name(pname)]))
+               for pname, _ in stage.named_parameters()]
     ref = replicas[0][0]
     params = {name: (p.detach().clone(), stage.shard_of(name, (
         ref.get_parameter(stage.dense_name(name)) - STEP_LR * grads[stage.dense_name(name)])
         .detach())) for name, p in stage.named_parameters()}
     loss = loss.item() if isinstance(loss, torch.Tensor) else loss
     return {"loss": loss, "ref_loss": sum(r[1] for r in replicas) / dp, "params": params,
-            "values": values}
+            "values": values, "inside": inside, "want_dp": want_dp, "sums": replicas[d][4],
+            "first_block": stage.start,
+            "grads": _grad_problem(rank, dp, pp, tp, stage, replicas[d], grads, name)}
 
 
 def _check_step_structure(trace, dp, pp, tp, name):
-    """Pipeline messages only to the neighbouring stage of the same (d, t), one replica's share of
-    the activations, gradients averaged over the dp group, all-reduces only inside a rank's groups."""
+    """By the checkers' one traffic rule (`_traffic`): pipeline messages only to the neighbouring
+    stage of the same (d, t), one replica's share of the activations; every collective on one of
+    the rank's groups, a message only within them (a hand-written ring over the dp group is the
+    dp all-reduce of the same bytes); the gradients averaged over the dp group."""
     shape = (dp, pp, tp)
     where = f"on dp={dp} x pp={pp} x tp={tp}"
     per_replica = STEP_BATCH // dp * STEP_CFG["seq_len"] * STEP_CFG["d_model"] * 8
@@ -172,32 +181,39 @@ def _check_step_structure(trace, dp, pp, tp, name):
         d, p, t = _mesh.coordinate(rank, shape)
         groups = {dim: tuple(_mesh.peers(rank, shape, dim, p3.NAMES)) for dim in p3.NAMES}
         neighbours = {_mesh.rank_at((d, q, t), shape) for q in (p - 1, p + 1) if 0 <= q < pp}
-        sent = {}
-        for peer, nbytes in trace.sends(rank):
-            if peer not in neighbours:
-                allowed = " and ".join(map(str, sorted(neighbours))) or "no one"
+        calls = _traffic.data_calls(_traffic.records(trace, rank))
+        allowed = " and ".join(map(str, sorted(neighbours))) or "no one"
+
+        def stray(c):
+            return CheckFailed(
+                f"{name} {where}: rank {rank} (dp {d}, pp {p}, tp {t}) sent {c['bytes']:,} bytes "
+                f"to rank {c['peer']}; in the pipeline it only talks to the neighbouring stages "
+                f"of its own replica and tp slice: rank {allowed} (and its dp group "
+                f"{list(groups['dp'])}, for the gradients).")
+        # a message within its dp or tp group may be a hand-written collective's (a ring)
+        within = [c for c in calls if c["kind"] == "send" and c["peer"] not in neighbours]
+        for c in calls:
+            if c in within and c["peer"] not in groups["dp"] + groups["tp"]:
+                raise stray(c)
+            if c["kind"] == "collective" and c["group"] not in groups.values():
                 raise CheckFailed(
-                    f"{name} {where}: rank {rank} (dp {d}, pp {p}, tp {t}) sent {nbytes:,} bytes "
-                    f"to rank {peer}; in the pipeline it only talks to the neighbouring stages of "
-                    f"its own replica and tp slice: rank {allowed}.")
-            sent[peer] = sent.get(peer, 0) + nbytes
-        if p < pp - 1:
-            nxt = _mesh.rank_at((d, p + 1, t), shape)
-            if sent.get(nxt, 0) != per_replica:
-                raise CheckFailed(
-                    f"{name} {where}: rank {rank} sent {sent.get(nxt, 0):,} bytes of activations "
-                    f"to the next stage (rank {nxt}); its replica's part of the batch is "
-                    f"{per_replica:,} bytes ({STEP_BATCH // dp} samples x {STEP_CFG['seq_len']} "
-                    f"tokens x {STEP_CFG['d_model']} features x 8 bytes): each replica runs only "
-                    f"its 1/dp of the batch, once.")
-        reduces = [e for e in collectives(trace, rank) if e["op"] == "all_reduce"]
-        for e in reduces:
-            if e["group"] not in groups.values():
-                raise CheckFailed(
-                    f"{name} {where}: rank {rank}'s all_reduce ran over ranks {list(e['group'])}; "
+                    f"{name} {where}: rank {rank}'s {c['op']} ran over ranks {list(c['group'])}; "
                     f"in 3D every collective stays inside one of its groups: tp "
                     f"{list(groups['tp'])}, pp {list(groups['pp'])}, dp {list(groups['dp'])}.")
-        if dp > 1 and not any(e["group"] == groups["dp"] for e in reduces):
+        if p < pp - 1:
+            nxt = _mesh.rank_at((d, p + 1, t), shape)
+            sent = sum(c["bytes"] for c in calls if c["kind"] == "send" and c["peer"] == nxt)
+            if sent != per_replica and within:
+                raise stray(within[0])      # its activations went elsewhere (another mesh order)
+            if sent != per_replica:
+                raise CheckFailed(
+                    f"{name} {where}: rank {rank} sent {sent:,} bytes of activations to the next "
+                    f"stage (rank {nxt}); its replica's part of the batch is {per_replica:,} "
+                    f"bytes ({STEP_BATCH // dp} samples x {STEP_CFG['seq_len']} tokens x "
+                    f"{STEP_CFG['d_model']} features x 8 bytes): each replica runs only its 1/dp "
+                    f"of the batch, once.")
+        if dp > 1 and not any(c["group"] == groups["dp"] if c["kind"] == "collective"
+                              else c["peer"] in groups["dp"] for c in calls):
             raise CheckFailed(
                 f"{name} {where}: rank {rank} never all-reduced over its dp group "
                 f"{list(groups['dp'])}; each replica sees 1/dp of the batch, so the replicas "
@@ -222,8 +238,13 @@ def check_step_3d(fn, meshes=STEP_MESHES):
                 raise CheckFailed(result["error"])
         _check_step_structure(got.trace, dp, pp, tp, name)
         for rank, result in enumerate(got):
-            if result["values"]:
-                raise CheckFailed(result["values"])
+            # pipeline messages (judged in the rank), what the dp and tp calls delivered (over
+            # every member's records, `_carried`), then the gradient left in .grad
+            me = _me(rank, dp, pp, tp, name)
+            problem = (result["values"] or dp_problem(got, rank, (dp, pp, tp), me)
+                       or tp_problem(got, rank, (dp, pp, tp), me) or result["grads"])
+            if problem:
+                raise CheckFailed(problem)
             compare(result["loss"], result["ref_loss"], f"{name} {where}: rank {rank}'s loss "
                     f"(the global batch's mean, as one process computes it)", 1e-10, 1e-10)
             for pname, (mine, expected) in result["params"].items():

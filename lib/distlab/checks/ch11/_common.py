@@ -2,7 +2,6 @@
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 from ... import debug, models
 from ...launch import RankFailed, RunTimeout
@@ -34,15 +33,14 @@ def _refused(exercise, *helpers):
 
 def _no_object_collectives():
     """torch's object collectives (all_gather_object, gather_object, broadcast_object_list,
-    scatter_object_list) refused inside a rank: they pickle Python objects, send them as byte
-    tensors and unpickle them, with a host sync each; what travelled is then a pickle, not the
-    tensors the exercise is about, and no trace can say what it held."""
+    scatter_object_list, send_object_list, recv_object_list) refused inside a rank, as chapter
+    02's checkers refuse them: they pickle Python objects, send them as byte tensors and unpickle
+    them, with a host sync each; what travelled is then a pickle, not the tensors the exercise is
+    about, and no rule can say what it held."""
     return no_object_collectives(
-        functions=(dist.all_gather_object, dist.gather_object, dist.broadcast_object_list,
-                   dist.scatter_object_list),
         reason=lambda fn: (f"your function used dist.{fn.__name__}, which pickles Python objects "
                            f"into byte tensors; send the tensors themselves with tensor "
-                           f"collectives (all_reduce, all_gather, broadcast)."))
+                           f"collectives (all_reduce, all_gather, broadcast) or send/recv."))
 
 
 def _run(fn, world_size, name, *args, **kwargs):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from ... import debug
 from ... import trace as _trace
-from .. import CheckFailed, compare, passed, sizes_phrase
+from .. import CheckFailed, _traffic, compare, passed, sizes_phrase
 from ._common import WORLD_SIZES, _close, _refused, _traced
 
 
@@ -85,11 +85,12 @@ def _accumulate_on_ranks(rank, world_size, fn, cases):
             parts = _micro_grads(model, micro)
             opt.zero_grad(set_to_none=True)
             with _trace.span("fix"), _refused("weigh the micro-batches and combine the ranks' "
-                                              "gradients yourself", _acc_data, _acc_sizes):
+                                              "gradients yourself", _acc_data, _acc_sizes), \
+                    _traffic.Carried() as carried:
                 fn(model, [(x.clone(), y.clone()) for x, y in micro])
             grads = [None if p.grad is None else p.grad.detach().clone()
                      for p in model.parameters()]
-            steps.append({"grads": grads, "parts": parts})
+            steps.append({"grads": grads, "parts": parts, "sent": carried.records})
             if any(g is None for g in grads):
                 break
             opt.step()
@@ -103,20 +104,21 @@ def check_accumulation(fn, seed=None):
     F.mse_loss over every sample of every rank's micro-batches: what one process gets on them."""
     name = getattr(fn, "__name__", "accumulate")
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
-    model, _ = debug.problem()
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    names = [n for n, _ in debug.problem()[0].named_parameters()]
     for ws in WORLD_SIZES:
         cases = _acc_sizes(ws, seed + ws)
         got = _traced(_accumulate_on_ranks, ws, name, fn, cases, rule="every rank must call "
                       "the same collectives on the same tensors, in the same order.")
-        for rank in range(ws):
-            for e in got.trace.comm(rank):
-                if e["label"] == ["fix"] and tuple(e["group"]) != tuple(range(ws)):
-                    raise CheckFailed(f"{name} with world_size={ws}: rank {rank}'s {e['op']} ran "
-                                      f"over ranks {list(e['group'])}; every rank's samples are "
-                                      f"part of the global batch: combine over all {ws} ranks.")
+        for rank in range(ws):          # by the one traffic rule: messages count as calls
+            calls = _traffic.data_calls(_traffic.records(got.trace, rank, "fix"))
+            bad, what = _traffic.off_group(calls, tuple(range(ws)))
+            if bad is not None:
+                raise CheckFailed(f"{name} with world_size={ws}: rank {rank} made {what}; every "
+                                  f"rank's samples are part of the global batch: combine over "
+                                  f"all {ws} ranks.")
+        refs = [_accumulation_reference(sizes) for sizes in cases]
         for c, (label, sizes) in enumerate(zip(ACC_CASES, cases)):
-            want_grads, want_params = _accumulation_reference(sizes)
+            want_grads, want_params = refs[c]
             where = (f"{name} with world_size={ws}, case '{label}' (micro-batches "
                      f"{' | '.join('+'.join(map(str, s)) for s in sizes)})")
             for step in range(ACC_STEPS):
@@ -133,18 +135,20 @@ def check_accumulation(fn, seed=None):
             for rank in range(ws):
                 compare(got[rank][c]["params"], want_params, f"{where}: rank {rank}'s parameters "
                         f"after {ACC_STEPS} steps", 1e-10, 1e-9)
-        for rank in range(ws):
-            # what this rank put in: a gather's bytes are its output, every rank's share
-            sent = sum(e["bytes"] / (ws if e["op"] in ("all_gather", "gather") else 1)
-                       for e in got.trace.comm(rank)
-                       if e["label"] == ["fix"] and e["op"] != "recv")
-            calls = ACC_STEPS * len(ACC_CASES)
-            if sent < nbytes * calls:
-                raise CheckFailed(
-                    f"{name} with world_size={ws}: rank {rank} sent {sent / calls:.0f} bytes a "
-                    f"step; its gradients are {nbytes} bytes, and every rank's gradients are part "
-                    f"of the answer: send the gradients (an all-reduce), not the samples or a "
-                    f"copy.")
+        # what travelled, by the one rule: the global gradient among what the ranks' calls
+        # delivered (an all-reduce's sum, an all-gather's pieces added up, a ring's chunks)
+        for c, label in enumerate(ACC_CASES):
+            for step in range(ACC_STEPS):
+                pieces = _traffic.delivered({r: got[r][c]["steps"][step]["sent"]
+                                             for r in range(ws)})
+                missing = _traffic.missing(pieces, refs[c][0][step], names)
+                if missing:
+                    raise CheckFailed(
+                        f"{name} with world_size={ws}, case '{label}', step {step}: every rank "
+                        f"has the right gradient, but what the ranks' calls delivered does not "
+                        f"hold the gradient of {missing} (times any factor): every rank's "
+                        f"gradients are part of the answer, so send the gradients (an "
+                        f"all-reduce), not the samples or a copy.")
     passed(f"{name} gives every rank the global batch's gradient with a short last micro-batch "
            f"(sizes drawn afresh; equal and unequal totals per rank), at world sizes "
            f"{sizes_phrase(WORLD_SIZES)}: training equals one process.")

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from ... import debug
 from ... import trace as _trace
-from .. import CheckFailed, passed, sizes_phrase
+from .. import CheckFailed, _traffic, passed, sizes_phrase
 from ._common import WORLD_SIZES, _plain, _refused, _traced
 
 
@@ -45,7 +45,7 @@ def _damage(model, step, rank, world_size, damage):
 
 
 def _divergence_on_ranks(rank, world_size, fn):
-    answers = []
+    answers, sent = [], []
     for _, damage in DIVERGENCE_CASES:
         seen, step = [], [0]
 
@@ -54,12 +54,16 @@ def _divergence_on_ranks(rank, world_size, fn):
                 dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
             _damage(model, step[0], rank, world_size, damage)
             named = [(n, p.grad) for n, p in model.named_parameters()]
-            with _trace.span("detector"), _refused("compare the ranks' gradients yourself"):
+            with _trace.span("detector"), _refused("compare the ranks' gradients yourself"), \
+                    _traffic.Carried() as carried:
                 seen.append(_plain(fn(named)))
+            # whether anything travelled: a call that is not only zeros
+            sent.append(any(not _traffic.carried_nothing(c)
+                            for c in _traffic.data_calls(carried.records)))
             step[0] += 1
         _train(rank, world_size, average)
         answers.append(seen)
-    return answers
+    return {"answers": answers, "sent": sent}
 
 
 def _train(rank, world_size, average):
@@ -86,7 +90,7 @@ def check_first_divergence(fn):
         for case, (label, _) in enumerate(DIVERGENCE_CASES):
             for step, expected in _expected_divergence(case, ws):
                 for rank in range(ws):
-                    answer = got[rank][case][step]
+                    answer = got[rank]["answers"][case][step]
                     answer = tuple(answer) if isinstance(answer, list) else answer
                     if answer != expected:
                         raise CheckFailed(
@@ -97,7 +101,14 @@ def check_first_divergence(fn):
                                else "") + ".")
         calls = 4 * len(DIVERGENCE_CASES)
         for rank in range(ws):
-            sent = sum(e["bytes"] for e in got.trace.comm(rank) if e["label"] == ["detector"])
+            # by the one traffic rule: the bytes it put on the wire, a collective its ring share
+            sent = _traffic.wire(_traffic.records(got.trace, rank, "detector"))
+            if not all(got[rank]["sent"]):
+                raise CheckFailed(
+                    f"{name} with world_size={ws}: rank {rank} answered call "
+                    f"{got[rank]['sent'].index(False)} of the detector without sending anything "
+                    f"but zeros; no rank can know another's gradients unless something of them "
+                    f"(checksums) travels.")
             if sent / calls > nbytes / 4:
                 raise CheckFailed(
                     f"{name} with world_size={ws}: rank {rank} sent {sent / calls:.0f} bytes per "

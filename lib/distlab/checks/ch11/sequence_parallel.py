@@ -5,7 +5,7 @@ import torch.distributed as dist
 from ... import trace as _trace
 from ...debug_parallel import SP_DIMS, sp_data as _sp_data
 from ...debug_parallel import sp_block_without_ln_sum as _sp_block_without_ln_sync
-from .. import CheckFailed, passed
+from .. import CheckFailed, _traffic, passed
 from ._common import _close, _refused, _traced
 
 
@@ -36,7 +36,7 @@ def _sp_on_ranks(rank, world_size, tp, dp, fn):
     out = block(sequence_slice(x, tp_group))
     (out * sequence_slice(w, tp_group)).sum().backward()
     with _trace.span("fix"), _refused("sum and average the right gradients yourself",
-                                         _seeded_block, _sp_data):
+                                         _seeded_block, _sp_data), _traffic.Carried() as carried:
         fn(block, tp_group, dp_group)
     shards = {}
     for grads in (mean, own):       # what this rank's shard should hold; and its replica's alone
@@ -44,8 +44,9 @@ def _sp_on_ranks(rank, world_size, tp, dp, fn):
             p.grad = grads[n]
         shards[id(grads)] = dense_shards(block, dense, grads=True)
     expected, alone = shards[id(mean)], shards[id(own)]
-    return {n: (p.grad.detach().clone(), expected[n].clone(), alone[n].clone())
-            for n, p in block.named_parameters()}
+    return {"grads": {n: (p.grad.detach().clone(), expected[n].clone(), alone[n].clone())
+                      for n, p in block.named_parameters()},
+            "sent": [c for c in carried.records if c["kind"] != "recv"]}
 
 
 def _seeded_block(Block):
@@ -55,7 +56,10 @@ def _seeded_block(Block):
 
 def check_sequence_parallel_grads(fn):
     """fn(block, tp_group, dp_group) after backward: every gradient of the sequence-parallel block
-    equals the dense block's gradient of the mean loss over the dp replicas (its shard)."""
+    equals the dense block's gradient of the mean loss over the dp replicas (its shard). Judged
+    by the checkers' one traffic rule too: every call on the tp or the dp group (a message with
+    their members), and what they delivered: over tp the LayerNorms' replica gradients, over dp
+    every gradient's mean — an all-reduce and a hand-written exchange alike."""
     name = getattr(fn, "__name__", "sync_grads")
     for tp, dp in SP_CASES:
         where = f"with tp={tp} x dp={dp}"
@@ -65,16 +69,19 @@ def check_sequence_parallel_grads(fn):
         for rank in range(tp * dp):
             tp_group = tuple(range(rank // tp * tp, (rank // tp + 1) * tp))
             dp_group = tuple(range(rank % tp, tp * dp, tp))
-            for e in got.trace.comm(rank):
-                if e["label"] == ["fix"] and e["group"] not in (tp_group, dp_group):
+            for e in _traffic.data_calls(_traffic.records(got.trace, rank, "fix")):
+                if _traffic.off_group([e], tp_group)[0] and _traffic.off_group([e], dp_group)[0]:
+                    what = (f"{e['op']} ran over ranks {list(e['group'])}" if e["kind"] ==
+                            "collective" else f"{e['op']} went to rank {e['peer']}")
                     raise CheckFailed(
-                        f"{name} {where}: rank {rank}'s {e['op']} ran over ranks "
-                        f"{list(e['group'])}; a LayerNorm's partial gradients live in ONE tp "
-                        f"group (ranks {list(tp_group)}), and replicas of a shard in one dp group "
-                        f"(ranks {list(dp_group)}).")
-            for pname, (mine, expected, alone) in got[rank].items():
+                        f"{name} {where}: rank {rank}'s {what}; a LayerNorm's partial gradients "
+                        f"live in ONE tp group (ranks {list(tp_group)}), and replicas of a shard "
+                        f"in one dp group (ranks {list(dp_group)}).")
+            for pname, (mine, expected, alone) in got[rank]["grads"].items():
                 if not torch.allclose(mine, expected, atol=1e-10, rtol=1e-9):
                     _explain_sp(name, where, rank, pname, mine, expected, alone, tp, dp)
+        for rank in range(tp * dp):
+            _judge_carried(name, where, got, rank, tp, dp)
     passed(f"{name} sums the LayerNorms' gradients over tp, averages every gradient over dp and "
            f"leaves the tp shards whole: every gradient equals the dense block's, "
            f"{' and '.join(f'tp={t} x dp={d}' for t, d in SP_CASES)}.")
@@ -109,3 +116,26 @@ def _explain_sp(name, where, rank, pname, mine, expected, alone, tp, dp):
     raise CheckFailed(f"{head} is {scale:.2g} times the dense one's norm: each rank's LayerNorm "
                       f"saw only its 1/{tp} of the sequence, so its gradient is a partial sum; "
                       f"all-reduce (sum) it over the tp group.")
+
+
+def _judge_carried(name, where, got, rank, tp, dp):
+    """What the rank's groups delivered (`_traffic.delivered` over each group's calls): over tp
+    the LayerNorms' gradients of its replica, over dp the mean of every gradient — not a call of
+    zeros beside gradients obtained some other way."""
+    groups = (("tp", tuple(range(rank // tp * tp, (rank // tp + 1) * tp)), tp > 1),
+              ("dp", tuple(range(rank % tp, tp * dp, tp)), dp > 1))
+    for dim, ranks, needed in groups:
+        if not needed:
+            continue
+        inside = {r: [c for c in got[r]["sent"] if (c["group"] == ranks if c["kind"] ==
+                                                    "collective" else c["peer"] in ranks)]
+                  for r in ranks}
+        want = {n: (alone if dim == "tp" else expected) for n, (_, expected, alone)
+                in got[rank]["grads"].items() if dim == "dp" or n.startswith(("ln1.", "ln2."))}
+        missing = _traffic.missing(_traffic.delivered(inside), list(want.values()), list(want))
+        if missing:
+            raise CheckFailed(
+                f"{name} {where}: rank {rank}'s gradients are right, but what its {dim} group "
+                f"(ranks {list(ranks)}) delivered does not hold the {missing} gradient "
+                f"{'of its replica' if dim == 'tp' else 'averaged over the replicas'} (times any "
+                f"factor): the gradients themselves must travel, not zeros or a copy.")

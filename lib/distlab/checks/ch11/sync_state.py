@@ -2,7 +2,7 @@
 import torch
 
 from ... import trace as _trace
-from .. import CheckFailed, passed, sizes_phrase
+from .. import CheckFailed, _traffic, passed, sizes_phrase
 from ._common import WORLD_SIZES, _refused, _traced
 
 
@@ -23,14 +23,17 @@ def _bn_model(rank):
 def _sync_on_ranks(rank, world_size, fn):
     model = _bn_model(rank)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with _trace.span("fix"), _refused("broadcast rank 0's state yourself", _bn_model):
+    with _trace.span("fix"), _refused("broadcast rank 0's state yourself", _bn_model), \
+            _traffic.Carried() as carried:
         fn(model)
-    return {"before": before, "after": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {"before": before, "after": {k: v.clone() for k, v in model.state_dict().items()},
+            "sent": carried.records}
 
 
 def check_sync_state(fn):
     """fn(model) -> None: afterwards every rank holds rank 0's parameters AND buffers, sent in
-    one broadcast per dtype."""
+    one broadcast per dtype. Judged by the checkers' one traffic rule: broadcasts, or messages
+    from rank 0 (one per dtype to each rank), and rank 0's state among what they delivered."""
     name = getattr(fn, "__name__", "sync_state")
     for ws in WORLD_SIZES:
         got = _traced(_sync_on_ranks, ws, name, fn, rule="every rank must call the same "
@@ -47,24 +50,35 @@ def check_sync_state(fn):
                     raise CheckFailed(f"{name} with world_size={ws}: rank {rank}'s {kind} {key} "
                                       f"is not rank 0's.{extra}")
         for rank in range(ws):
-            calls = [e for e in got.trace.comm(rank) if e["label"] == ["fix"]]
-            others = sorted({e["op"] for e in calls if e["op"] != "broadcast"})
+            calls = _traffic.data_calls(_traffic.records(got.trace, rank, "fix"))
+            others = sorted({c["op"] for c in calls if c["op"] not in ("broadcast", "send",
+                                                                         "recv")})
             if others:
                 raise CheckFailed(f"{name} with world_size={ws}: rank {rank} called "
-                                  f"{', '.join(others)}; rank 0's state needs only broadcasts.")
-            sent = sum(e["bytes"] for e in calls)
-            state = sum(v.numel() * v.element_size() for v in want.values())
-            if sent < state:
+                                  f"{', '.join(others)}; rank 0's state needs only broadcasts "
+                                  f"(or messages from rank 0).")
+            # what reached it, by the one rule: a broadcast, or a message (rank 0: to each peer)
+            per_peer = {}
+            for c in calls:
+                if c["kind"] != "collective":
+                    per_peer[c["peer"]] = per_peer.get(c["peer"], 0) + 1
+            count = sum(c["kind"] == "collective" for c in calls) + max(per_peer.values(),
+                                                                        default=0)
+            if count > len(dtypes):
+                made = (f"made {count} broadcasts" if not per_peer else
+                        f"took part in {count} broadcasts or messages with one rank")
                 raise CheckFailed(
-                    f"{name} with world_size={ws}: rank {rank} took part in broadcasts of "
-                    f"{sent} bytes; rank 0's state is {state} bytes, and all of it must travel "
-                    f"from rank 0 (rebuilding it locally copies rank 0's recipe, not its state).")
-            if len(calls) > len(dtypes):
-                raise CheckFailed(
-                    f"{name} with world_size={ws}: rank {rank} made {len(calls)} broadcasts, one "
-                    f"per tensor; the state holds {len(want)} tensors of {len(dtypes)} dtypes "
-                    f"({', '.join(dtypes)}): flatten the tensors of each dtype into one buffer "
-                    f"and broadcast that ({len(dtypes)} messages, each paying the latency once).")
+                    f"{name} with world_size={ws}: rank {rank} {made}, one per tensor; the state "
+                    f"holds {len(want)} tensors of {len(dtypes)} dtypes ({', '.join(dtypes)}): "
+                    f"flatten the tensors of each dtype into one buffer and broadcast that "
+                    f"({len(dtypes)} messages, each paying the latency once).")
+        missing = _traffic.missing(_traffic.delivered({r: got[r]["sent"] for r in range(ws)}),
+                                   list(want.values()), list(want))
+        if missing:
+            raise CheckFailed(
+                f"{name} with world_size={ws}: every rank holds rank 0's state, but what the "
+                f"ranks' calls delivered does not hold rank 0's {missing}: all of it must travel "
+                f"from rank 0 (rebuilding it locally copies rank 0's recipe, not its state).")
     dtypes = sorted({str(v.dtype) for v in _bn_model(0).state_dict().values()})
     passed(f"{name} gives every rank rank 0's parameters and buffers in {len(dtypes)} broadcasts "
            f"(one per dtype), on {sizes_phrase(WORLD_SIZES)} ranks.")
