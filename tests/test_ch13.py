@@ -88,6 +88,83 @@ def _proofs(rank, world_size):
     out["ef"] = compression.accumulated_gap(gradient, 30, rank=1, error_feedback=True)
     out["no_ef"] = compression.accumulated_gap(gradient, 30, rank=1, error_feedback=False)
     out["gnorm"] = float(common.norm())
+    out.update(_low_bit_proofs(rank, world_size))
+    return out
+
+
+LOW_BIT_BLOCK = 64
+
+
+def _on_grid(seed, numel, bits):
+    """Pseudo-gradients the quantizer carries without loss: integers q * 2^-8 with |q| <= 127
+    (int8) or 7 (int4), each block of LOW_BIT_BLOCK holding one |q| = qmax, so its scale is
+    exactly 2^-8 and every value is a whole multiple of it."""
+    qmax = 2 ** (bits - 1) - 1
+    q = torch.randint(-qmax, qmax + 1, (numel,), generator=torch.Generator().manual_seed(seed))
+    q[::LOW_BIT_BLOCK] = qmax
+    return q.double() * 2 ** -8
+
+
+def _low_bit_proofs(rank, world_size):
+    """6. Low-bit outer steps: lossless on the grid, the all-gathered mean, error feedback,
+    the bytes of each sync, and the loss against the fp32 run."""
+    out = {}
+    # (a) lossless: inner steps replaced by moves onto the grid; params on a 2^-10 grid, outer
+    # Nesterov at lr and momentum 1/2, 2 ranks: every sum is exact, so int8/int4 == full precision.
+    if world_size in (1, 2):
+        for name, bits in compression.BITS.items():
+            runs = []
+            for outer_dtype in (None, name):
+                model = make_mlp(seed=0).double()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.copy_(torch.round(p * 1024) / 1024)
+                wrap = diloco.DiLoCo(model, 2, lambda ps: diloco.nesterov(ps, 0.5, 0.5),
+                                     outer_dtype=outer_dtype, block=LOW_BIT_BLOCK)
+                numel = sum(p.numel() for p in model.parameters())
+                for step in range(6):
+                    d = _on_grid(100 * rank + step // 2, numel, bits)   # one per outer step
+                    with torch.no_grad():
+                        sizes = [p.numel() for p in model.parameters()]
+                        for p, dp in zip(model.parameters(), d.split(sizes)):
+                            p -= dp.view_as(p) / 2          # two inner steps, half each
+                    wrap.step()
+                runs.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+            out[f"lossless_{name}"] = (runs[0] - runs[1]).abs().max().item()
+
+    # (b) the mean against the parent's reference: this rank's input and payload and the result,
+    # on the world and on a subgroup whose ranks are not 0..k (world 3: {1, 2}; world 5: {1, 3, 4}).
+    members = {3: [1, 2], 5: [1, 3, 4]}.get(world_size)
+    sub = dist.new_group(members) if members else None
+    x = torch.randn(300, generator=torch.Generator().manual_seed(7 + rank), dtype=torch.float64)
+    for where, group in (("world", None), ("sub", sub)):
+        if where == "sub" and (sub is None or rank not in members):
+            continue
+        for name, bits in compression.BITS.items():
+            mean = compression.LowBitMean(bits, LOW_BIT_BLOCK, group=group).mean(x)
+            out[f"mean_{where}_{name}"] = (x, compression.quantize(x, bits, LOW_BIT_BLOCK), mean)
+
+    # error feedback: sum of (exact mean - applied mean) over steps == mean of the error buffers
+    ef = compression.LowBitMean(4, LOW_BIT_BLOCK, error_feedback=True)
+    gap = torch.zeros(300, dtype=torch.float64)
+    for step in range(5):
+        g = torch.randn(300, generator=torch.Generator().manual_seed(50 * rank + step),
+                        dtype=torch.float64)
+        exact = g.clone()
+        dist.all_reduce(exact)
+        gap += exact / world_size - ef.mean(g)
+    held = ef.errors[0].clone()
+    dist.all_reduce(held)
+    out["low_bit_ef"] = ((gap - held / world_size).abs().max().item(), gap.abs().max().item())
+
+    # (c) bytes per sync and the loss against the fp32 run: 16 AdamW steps, H = 4 (4 syncs)
+    batches = [(a.float(), b.float()) for a, b in _shards(rank, world_size, steps=16)]
+    for outer_dtype in (None, "int8", "int4"):
+        model = make_mlp(seed=0)
+        losses, wrap = diloco.train(model, batches, lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+                                    H=4, outer_dtype=outer_dtype, block=LOW_BIT_BLOCK)
+        numel = sum(p.numel() for p in model.parameters())
+        out[f"run_{outer_dtype}"] = (losses[-4:], wrap.bytes_sent, wrap.syncs, numel)
     return out
 
 
@@ -139,6 +216,79 @@ def test_error_feedback_keeps_the_accumulated_error_bounded(proofs):
     assert no_ef[-1] > 1.8 * no_ef[len(no_ef) // 2 - 1]    # linearly: about doubles from t=15 to 30
 
 
+def _reference_mean(payloads, numel, bits):
+    """The parent's own reading of the payloads (not the lib's dequantize): fp32 scales first,
+    then int8 bytes or two 4-bit values a byte (low nibble first, stored as q + 8)."""
+    import numpy as np
+    blocks = -(-numel // LOW_BIT_BLOCK)
+    total = np.zeros(numel)
+    for p in payloads:
+        raw = p.numpy().tobytes()
+        scale = np.frombuffer(raw[:4 * blocks], dtype=np.float32).astype(np.float64)
+        body = np.frombuffer(raw[4 * blocks:], dtype=np.uint8)
+        if bits == 8:
+            q = body.view(np.int8).astype(np.float64)
+        else:
+            q = np.stack([body & 15, body >> 4], 1).reshape(-1)[:numel].astype(np.float64) - 8
+        total += q * np.repeat(scale, LOW_BIT_BLOCK)[:numel]
+    return torch.from_numpy(total / len(payloads))
+
+
+def test_low_bit_diloco_is_lossless_on_the_grid(proofs):
+    n, results = proofs
+    if n not in (1, 2):         # dividing by 3 or 5 leaves the grid: the proof runs at 1 and 2
+        assert "lossless_int8" not in results[0]
+        return
+    for r in results:
+        assert r["lossless_int8"] == 0.0 and r["lossless_int4"] == 0.0
+
+
+def test_low_bit_mean_is_every_payload_dequantized_and_averaged(proofs):
+    """Each rank's result equals the parent's mean of all members' payloads; each payload is
+    within half a quantization step of its rank's input; on the world and on a subgroup."""
+    n, results = proofs
+    groups = {"world": list(range(n)), "sub": {3: [1, 2], 5: [1, 3, 4]}.get(n)}
+    for where, members in groups.items():
+        if members is None:
+            continue
+        for name, bits in compression.BITS.items():
+            key = f"mean_{where}_{name}"
+            assert all(key in results[r] for r in members)
+            assert not any(key in results[r] for r in range(n) if r not in members)
+            payloads = [results[r][key][1] for r in members]
+            ref = _reference_mean(payloads, 300, bits)
+            for r in members:
+                x, payload, mean = results[r][key]
+                assert payload.numel() == compression.payload_bytes(300, bits, LOW_BIT_BLOCK)
+                back = compression.dequantize(payload, 300, bits, LOW_BIT_BLOCK, torch.float64)
+                assert (x - back).abs().max() <= x.abs().max() / (2 ** (bits - 1) - 1) / 2 * 1.0001
+                assert (mean - ref).abs().max() <= 1e-12, (where, name, r)
+
+
+def test_low_bit_error_feedback_keeps_what_it_dropped(proofs):
+    n, results = proofs
+    for r in results:
+        identity, gap = r["low_bit_ef"]
+        assert identity <= 1e-12 * max(gap, 1.0)
+        if n > 1:
+            assert gap > 1e-3                  # 4 bits do drop something
+
+
+def test_low_bit_diloco_bytes_and_loss(proofs):
+    """Bytes per sync are compression.payload_bytes (the closed form, scales included; without
+    scales it is across_sites' params * bits / 8); the last losses stay within 1 % (int8) and
+    5 % (int4) of the fp32 run's."""
+    n, results = proofs
+    for r in results:
+        fp32_losses, fp32_bytes, syncs, numel = r["run_None"]
+        assert syncs == 4 and fp32_bytes == syncs * compression.payload_bytes(numel, 32)
+        for name, bits, tol in (("int8", 8, 0.01), ("int4", 4, 0.05)):
+            losses, sent, s, _ = r[f"run_{name}"]
+            assert s == 4 and sent == 4 * compression.payload_bytes(numel, bits, LOW_BIT_BLOCK)
+            gap = abs(sum(losses) / sum(fp32_losses) - 1)
+            assert gap <= tol, (name, gap)
+
+
 def test_bytes_per_step_and_refusals():
     model = make_mlp((16, 64, 64, 4), seed=0)
     numel = sum(p.numel() for p in model.parameters())
@@ -159,6 +309,19 @@ def test_bytes_per_step_and_refusals():
         fault_tolerance.run_group(members=3, kill=(3, 1))
     with pytest.raises(ValueError, match="join must be a step after the kill"):
         fault_tolerance.run_group(members=3, steps=8, kill=(2, 5), join=4)
+    with pytest.raises(ValueError, match="at 4 bits block must be even"):
+        compression.quantize(torch.randn(8), bits=4, block=65)
+    with pytest.raises(TypeError, match="needs a floating-point tensor; got torch.int64"):
+        compression.quantize(torch.arange(8))
+    with pytest.raises(ValueError, match="outer_dtype must be None, 'int8' or 'int4'"):
+        diloco.DiLoCo(model, 2, outer_dtype="fp8")
+    assert compression.payload_bytes(10, 8) == 10.0 and compression.payload_bytes(10, 4) == 5.0
+    assert compression.payload_bytes(129, 4, 64) == 65 + 3 * 4
+    from distlab import across_sites as a      # the chapter's closed form is payload_bytes's
+    for bits in (32, 8, 4):
+        steps, compute = a.step_times(a.INTELLECT_1, a.Sites(), Hs=(100,), bits=bits)
+        sync = a.Sites().cross(compression.payload_bytes(a.INTELLECT_1.params(), bits))
+        assert abs(steps[f"DiLoCo H=100 ({bits}-bit)"][0] - compute - sync / 100) < 1e-12
     from distlab.across_sites import Sites
     with pytest.raises(ValueError, match="gbit must be a positive number"):
         Sites(gbit=0)

@@ -26,6 +26,7 @@ code issues on meta tensors at full size — DiLoCo's through the course's `dilo
 from dataclasses import dataclass
 
 from . import hardware
+from .compression import payload_bytes
 
 GBIT = 1e9 / 8              # bytes/s per Gbit/s
 
@@ -111,14 +112,14 @@ def step_times(model, sites, tokens_per_site=2 ** 21, Hs=(10, 100, 500), rank=4,
            f"PowerSGD rank {rank} (bf16)": compute + sum(       # P, then Q: two all-reduces
                sites.cross(2 * n) for n in powersgd_numbers(model, rank))}
     for H in Hs:
-        out[f"DiLoCo H={H} ({bits}-bit)"] = compute + sites.cross(params * bits / 8) / H
+        out[f"DiLoCo H={H} ({bits}-bit)"] = compute + sites.cross(payload_bytes(params, bits)) / H
     return {k: (v, compute / v) for k, v in out.items()}, compute
 
 
 def break_even_H(model, sites, utilisation, tokens_per_site=2 ** 21, bits=32):
     """The smallest H at which DiLoCo keeps `utilisation` of the compute (modeled)."""
     compute = inner_step(model, sites, tokens_per_site)
-    sync = sites.cross(model.params() * bits / 8)
+    sync = sites.cross(payload_bytes(model.params(), bits))
     # compute / (compute + sync / H) >= u  <=>  H >= sync * u / (compute * (1 - u))
     import math
     return max(1, math.ceil(sync * utilisation / (compute * (1 - utilisation)) - 1e-9))
@@ -133,7 +134,7 @@ def link_for(model, utilisation, H, bits, sites=Sites(), tokens_per_site=2 ** 21
     seconds_for_bytes = sync - sites.rtt_ms / 1e3
     if seconds_for_bytes <= 0:
         raise ValueError(f"at H={H} the link's latency alone exceeds the sync time allowed")
-    return model.params() * bits / 8 / seconds_for_bytes / GBIT
+    return payload_bytes(model.params(), bits) / seconds_for_bytes / GBIT
 
 
 def two_site_cluster(sites):

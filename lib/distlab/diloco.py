@@ -22,11 +22,17 @@ DDP's step (`tests/test_ch13.py` proves it at 1, 2, 3 and 5 ranks, in float64).
 Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512) splits the parameters into F fragments
 and synchronises fragment f at steps where (step - offset_f) % H == 0, offsets spread over H: the
 same bytes per H steps, but in F smaller messages, so the peak bandwidth a link must carry drops
-by F (it also overlaps each fragment's all-reduce with the next inner steps and sends it in 4
-bits: not done here).
+by F (it also overlaps each fragment's all-reduce with the next inner steps: not done here).
+
+Low-bit outer steps: `outer_dtype="int8"` (INTELLECT-1's choice) or `"int4"` (Streaming DiLoCo
+sends 4-bit floats) replaces the all-reduce by `compression.LowBitMean`: blockwise absmax
+integers, all-gathered and averaged on every rank (1 or 1/2 byte a value plus a 4-byte scale per
+`block` values on the wire); the outer optimizer still steps in the parameters' dtype.
 """
 import torch
 import torch.distributed as dist
+
+from .compression import BITS, LowBitMean
 
 
 def nesterov(params, lr=0.7, momentum=0.9):
@@ -49,11 +55,15 @@ class DiLoCo:
                 group f synchronises at steps s with (s - f * H // F) % H == 0 (s counted from 1;
                 a fragment's first sync after fewer than H steps is allowed).
     group:      the process group of the replicas (the world by default).
+    outer_dtype: None (the default) all-reduces the pseudo-gradients in the parameters' dtype;
+                "int8" or "int4" sends them blockwise-quantized (`block` values a scale), with
+                `error_feedback` optional (what the quantizer dropped joins the next outer step).
     The replicas must start identical (broadcast first). `syncs` counts outer steps, and
     `bytes_sent` the pseudo-gradient bytes this rank put into all-reduces.
     """
 
-    def __init__(self, model, H, outer=nesterov, fragments=1, group=None):
+    def __init__(self, model, H, outer=nesterov, fragments=1, group=None, outer_dtype=None,
+                 block=128, error_feedback=False):
         for name, v, least in (("H", H, 1), ("fragments", fragments, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{name} must be a whole number >= {least}; got {v!r}.")
@@ -61,6 +71,10 @@ class DiLoCo:
         if fragments > len(params):
             raise ValueError(f"fragments={fragments} is more than the model's {len(params)} "
                              f"parameter tensors; every fragment needs at least one.")
+        if outer_dtype not in (None, *BITS):
+            raise ValueError(f"outer_dtype must be None, 'int8' or 'int4'; got {outer_dtype!r}.")
+        self.low_bit = None if outer_dtype is None else \
+            LowBitMean(BITS[outer_dtype], block, error_feedback, group)
         self.model, self.H, self.group = model, H, group
         self.world_size = dist.get_world_size(group)
         size = -(-len(params) // fragments)
@@ -84,9 +98,14 @@ class DiLoCo:
         the outer optimizer, copy it into the model."""
         local, agreed = self.fragments[f], self.globals[f]
         deltas = torch.cat([(g - p).reshape(-1) for g, p in zip(agreed, local)])
-        dist.all_reduce(deltas, group=self.group)           # one message per fragment
-        self.bytes_sent += deltas.numel() * deltas.element_size()
-        deltas /= self.world_size
+        if self.low_bit is None:
+            dist.all_reduce(deltas, group=self.group)       # one message per fragment
+            self.bytes_sent += deltas.numel() * deltas.element_size()
+            deltas /= self.world_size
+        else:                                               # int8 / int4 payloads, all-gathered
+            sent = self.low_bit.bytes_sent
+            deltas = self.low_bit.mean(deltas, key=f)
+            self.bytes_sent += self.low_bit.bytes_sent - sent
         for g, d in zip(agreed, deltas.split([g.numel() for g in agreed])):
             g.grad = d.view_as(g).clone()
         self.outers[f].step()
@@ -95,16 +114,17 @@ class DiLoCo:
         self.syncs += 1
 
 
-def train(model, batches, inner, H=None, outer=nesterov, fragments=1, group=None):
+def train(model, batches, inner, H=None, outer=nesterov, fragments=1, group=None, **low_bit):
     """Train this rank's replica on `batches` (a list of (x, y)) with MSE loss: DDP (gradients
-    averaged every step) when H is None, DiLoCo with H inner steps otherwise. `inner` is a
+    averaged every step) when H is None, DiLoCo with H inner steps otherwise (`low_bit`: DiLoCo's
+    outer_dtype, block, error_feedback). `inner` is a
     function of the parameters returning the inner optimizer. Returns the per-step losses of
     this rank (before each step) and the DiLoCo wrapper (None for DDP)."""
     import torch.nn.functional as F
     from .data_parallel import average_gradients, broadcast_parameters
     broadcast_parameters(model, group=group)
     opt = inner(model.parameters())
-    wrapper = None if H is None else DiLoCo(model, H, outer, fragments, group)
+    wrapper = None if H is None else DiLoCo(model, H, outer, fragments, group, **low_bit)
     losses = []
     for x, y in batches:
         opt.zero_grad()
