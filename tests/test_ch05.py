@@ -118,32 +118,7 @@ def average_by_the_course(model):
     average_gradients(model)
 
 
-# ---- exercise 2: bucketed hooks ------------------------------------------------------------------
-
-def _hooks(buckets, on_full):
-    pending = {}
-    for k, bucket in enumerate(buckets):
-        for p in bucket:
-            def hook(p, k=k):
-                left = pending.setdefault(k, {id(q) for q in buckets[k]})
-                left.discard(id(p))
-                if not left:
-                    del pending[k]
-                    on_full(k)
-            p.register_post_accumulate_grad_hook(hook)
-
-
-def buckets_imported_avg(model, buckets, world_size):
-    """Correct, written differently: imported all_reduce, ReduceOp.AVG, no division."""
-    from torch.distributed import ReduceOp, all_reduce
-    flight = {}
-
-    def send(k):
-        flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]])
-        flight[k] = (flat, all_reduce(flat, op=ReduceOp.AVG, async_op=True))
-    _hooks(buckets, send)
-    return _make_finish(buckets, flight)
-
+# ---- exercise 2: buckets rebuilt in the order the gradients arrived -----------------------------
 
 def _copy_into_grads(params, flat):
     offset = 0
@@ -152,150 +127,145 @@ def _copy_into_grads(params, flat):
         offset += p.numel()
 
 
-def _make_finish(buckets, flight):
-    def finish():
-        for k in sorted(flight):
-            flat, work = flight.pop(k)
-            work.wait()
-            offset = 0
-            for p in buckets[k]:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-    return finish
+def _nbytes(p):
+    return p.numel() * p.element_size()
 
 
-def buckets_one_in_flight(model, buckets, world_size):
-    """Correct, written differently: one bucket in flight at a time, each waited for when the
-    next one is full; it travelled while backward computed that next bucket's gradients."""
-    flight = {}
+def _greedy(params, cap):
+    """Fill a bucket until the next gradient would take it over the cap."""
+    buckets, size = [], 0
+    for p in params:
+        if not buckets or size + _nbytes(p) > cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += _nbytes(p)
+    return buckets
+
+
+def _greedy_from_the_end(params, cap):
+    """The same rule walked from the last gradient back: other boundaries, as few buckets."""
+    return [b[::-1] for b in _greedy(params[::-1], cap)][::-1]
+
+
+def _closed_after_the_cap(params, cap):
+    """Wrong: a bucket closed only once it has reached the cap, so it goes over it."""
+    buckets, size = [[]], 0
+    for p in params:
+        buckets[-1].append(p)
+        size += _nbytes(p)
+        if size >= cap:
+            buckets.append([])
+            size = 0
+    return [b for b in buckets if b]
+
+
+def _one_each(params, cap):
+    return [[p] for p in params]
+
+
+def _arrival(model, world_size, cap, *, divide=True, form=_greedy, registration=False,
+             at_the_end=False):
+    """The first step records the arrival order and all-reduces tensor by tensor; then buckets
+    (`form`) of that order (or, `registration`, of the reversed registration order), each sent
+    from the hook of its last gradient (or, `at_the_end`, all in finish())."""
+    params, seen, buckets, left, flight = list(model.parameters()), [], [], {}, {}
 
     def send(k):
-        if k - 1 in flight:
-            flight[k - 1][1].wait()
-        flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]]) / world_size
+        flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]])
+        flat = flat / world_size if divide else flat
         flight[k] = (flat, dist.all_reduce(flat, async_op=True))
-    _hooks(buckets, send)
-    return _make_finish(buckets, flight)
 
-
-def buckets_at_the_end(model, buckets, world_size):
-    """Wrong structure: every bucket sent only when finish() runs (zero overlap)."""
-    def finish():
-        for bucket in buckets:
-            flat = torch.cat([q.grad.reshape(-1) for q in bucket]) / world_size
-            dist.all_reduce(flat)
-            offset = 0
-            for p in bucket:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-    return finish
-
-
-def buckets_one_late(model, buckets, world_size):
-    """Wrong structure: bucket k launched only when bucket k+1 starts (the last at the end)."""
-    flight, started = {}, set()
-
-    def send(k):
-        flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]]) / world_size
-        flight[k] = (flat, dist.all_reduce(flat, async_op=True))
-    ready = []
-
-    def on_full(k):
-        ready.append(k)
-    pending = {}
-    for k, bucket in enumerate(buckets):
-        for p in bucket:
-            def hook(p, k=k):
-                if k not in started:            # the first gradient of bucket k
-                    started.add(k)
-                    while ready:
-                        send(ready.pop(0))
-                left = pending.setdefault(k, {id(q) for q in buckets[k]})
-                left.discard(id(p))
-                if not left:
-                    del pending[k]
-                    ready.append(k)
-            p.register_post_accumulate_grad_hook(hook)
-    inner = _make_finish(buckets, flight)
-
-    def finish():
-        while ready:
-            send(ready.pop(0))
-        started.clear()
-        inner()
-    return finish
-
-
-def buckets_per_tensor(model, buckets, world_size):
-    """Wrong structure: one all_reduce per tensor instead of per bucket."""
-    flight = []
-    for p in model.parameters():
-        def hook(p):
-            p.grad /= world_size
-            flight.append(dist.all_reduce(p.grad, async_op=True))
+    def hook(p):
+        if not buckets:
+            seen.append(p)
+            return
+        k = next(i for i, b in enumerate(buckets) if any(q is p for q in b))
+        left[k].discard(id(p))
+        if not left[k] and not at_the_end:
+            send(k)
+    for p in params:
         p.register_post_accumulate_grad_hook(hook)
 
     def finish():
-        while flight:
-            flight.pop().wait()
+        if not buckets:
+            for p in seen:
+                dist.all_reduce(p.grad)
+                if divide:
+                    p.grad /= world_size
+            buckets.extend(form(params[::-1] if registration else seen, cap))
+        else:
+            for k in range(len(buckets)) if at_the_end else ():
+                send(k)
+            for k in sorted(flight):
+                flat, work = flight.pop(k)
+                work.wait()
+                _copy_into_grads(buckets[k], flat)
+        left.update((k, {id(q) for q in b}) for k, b in enumerate(buckets))
     return finish
 
 
-def buckets_never_waited(model, buckets, world_size):
-    """Wrong: every bucket launched asynchronously from its hook, its handle never waited for
-    (finish() copies back whatever the buffer holds by then)."""
-    flight = {}
+def arrival_by_tensor_hooks(model, world_size, cap):
+    """Correct, written differently: the order noted by hooks on the gradient as it is computed
+    (before it is accumulated: the same order), buckets filled from the last gradient back,
+    ReduceOp.AVG, the first step as one synchronous all-reduce per tensor, handles waited for
+    through their futures."""
+    from torch.distributed import ReduceOp, all_reduce
+    params = list(model.parameters())
+    seen, buckets, flight, state = [], [], {}, {}
+    for p in params:
+        p.register_hook(lambda g, p=p: seen.append(p) if not buckets else None)
 
-    def send(k):
-        flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]]) / world_size
-        flight[k] = (flat, dist.all_reduce(flat, async_op=True))
-    _hooks(buckets, send)
-
-    def finish():
-        for k in sorted(flight):
-            flat, _ = flight.pop(k)
-            _copy_into_grads(buckets[k], flat)
-    return finish
-
-
-def buckets_waited_by_future(model, buckets, world_size):
-    """Correct, written differently: each handle waited for through its future."""
-    flight = {}
-
-    def send(k):
-        flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]]) / world_size
-        flight[k] = (flat, dist.all_reduce(flat, async_op=True).get_future())
-    _hooks(buckets, send)
+    def ready(p):
+        if buckets:
+            k, left = state[id(p)]
+            left.discard(id(p))
+            if not left:
+                flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]])
+                flight[k] = (flat, all_reduce(flat, op=ReduceOp.AVG, async_op=True).get_future())
+    for p in params:
+        p.register_post_accumulate_grad_hook(ready)
 
     def finish():
+        if not buckets:
+            for p in seen:
+                all_reduce(p.grad, op=ReduceOp.AVG)
+            buckets.extend(_greedy_from_the_end(seen, cap))
         for k in sorted(flight):
             flat, future = flight.pop(k)
             future.wait()
             _copy_into_grads(buckets[k], flat)
+        for k, b in enumerate(buckets):
+            left = {id(q) for q in b}
+            state.update((id(q), (k, left)) for q in b)
     return finish
 
 
-def buckets_slightly_off(model, buckets, world_size):
-    """Right structure, gradients 1e-6 off: a loose tolerance would accept it."""
-    flight = {}
-
-    def send(k):
-        flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]]) / (world_size + 1e-6)
-        flight[k] = (flat, dist.all_reduce(flat, async_op=True))
-    _hooks(buckets, send)
-    return _make_finish(buckets, flight)
+def arrival_summed(model, world_size, cap):
+    """Wrong: the buckets right, the gradients summed, not averaged."""
+    return _arrival(model, world_size, cap, divide=False)
 
 
-def buckets_by_the_course(model, buckets, world_size):
+def arrival_over_the_cap(model, world_size, cap):
+    """Wrong: a bucket closed only once it reached the cap."""
+    return _arrival(model, world_size, cap, form=_closed_after_the_cap)
+
+
+def arrival_one_per_gradient(model, world_size, cap):
+    """Wrong: one all-reduce per gradient, in arrival order (each pays its latency)."""
+    return _arrival(model, world_size, cap, form=_one_each)
+
+
+def arrival_by_the_course(model, world_size, cap):
     from distlab.data_parallel import BucketedDDP
-    BucketedDDP(model, bucket_cap_mb=0.001)
+    BucketedDDP(model, bucket_cap_mb=cap / 2**20)
     return lambda: None
 
 
-def buckets_by_torch_ddp(model, buckets, world_size):
+def arrival_by_torch_ddp(model, world_size, cap):
     from torch.nn.parallel import DistributedDataParallel
     inner, busy = model.forward, [False]
-    wrapped = DistributedDataParallel(model)
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=cap / 2**20)
 
     def forward(x):                     # the harness calls model(x): route it through DDP
         if busy[0]:
@@ -307,6 +277,18 @@ def buckets_by_torch_ddp(model, buckets, world_size):
             busy[0] = False
     model.forward = forward
     return lambda: None
+
+
+def arrival_registration_order(model, world_size, cap):
+    """Decoy: right numbers, buckets of the reversed registration order (the chapter's
+    BucketedDDP's rule), each sent as soon as it is full: a bucket holding a late gradient
+    keeps its early ones waiting."""
+    return _arrival(model, world_size, cap, registration=True)
+
+
+def arrival_at_the_end(model, world_size, cap):
+    """Decoy: the right buckets, all sent after backward."""
+    return _arrival(model, world_size, cap, at_the_end=True)
 
 
 # ---- exercise 3: an epoch resumed on a different number of ranks ---------------------------------

@@ -138,46 +138,64 @@ def test_battery_average_gradients():
             call=_with(world_sizes=(3,)), require=("different",))
 
 
-def attach_bucket_hooks(model, buckets, world_size):
+def arrival_order_buckets(model, world_size, cap_bytes):
     """The workbook's solution."""
-    pending = [set() for _ in buckets]
-    in_flight = {}
+    arrived, buckets, bucket_of, missing, in_flight = [], [], {}, [], {}
 
-    def hook(p, i):
-        if not pending[i]:
-            pending[i] = {id(q) for q in buckets[i]}
-        pending[i].discard(id(p))
-        if not pending[i]:
-            flat = torch.cat([q.grad.reshape(-1) for q in buckets[i]]) / world_size
-            in_flight[i] = (flat, dist.all_reduce(flat, async_op=True))
+    def ready(p):
+        if not buckets:                         # the first step: note the order
+            arrived.append(p)
+            return
+        k = bucket_of[id(p)]
+        missing[k] -= 1
+        if missing[k] == 0:                     # its last gradient: send it now
+            flat = torch.cat([q.grad.reshape(-1) for q in buckets[k]]) / world_size
+            in_flight[k] = (flat, dist.all_reduce(flat, async_op=True))
 
-    for i, bucket in enumerate(buckets):
-        for p in bucket:
-            p.register_post_accumulate_grad_hook(lambda p, i=i: hook(p, i))
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(ready)
+
+    def copy_back(params, flat):
+        for p, g in zip(params, flat.split([q.numel() for q in params])):
+            p.grad.copy_(g.view_as(p.grad))
 
     def finish():
-        for i, bucket in enumerate(buckets):
-            flat, work = in_flight.pop(i)
-            work.wait()
-            for p, g in zip(bucket, flat.split([q.numel() for q in bucket])):
-                p.grad.copy_(g.view_as(p.grad))
+        if not buckets:
+            flat = torch.cat([p.grad.reshape(-1) for p in arrived]) / world_size
+            dist.all_reduce(flat)
+            copy_back(arrived, flat)
+            size = 0
+            for p in arrived:
+                nbytes = p.numel() * p.element_size()
+                if not buckets or size + nbytes > cap_bytes:
+                    buckets.append([])
+                    size = 0
+                buckets[-1].append(p)
+                size += nbytes
+                bucket_of[id(p)] = len(buckets) - 1
+        else:
+            for k, bucket in enumerate(buckets):
+                flat, work = in_flight.pop(k)
+                work.wait()
+                copy_back(bucket, flat)
+        missing[:] = [len(b) for b in buckets]
     return finish
 
 
-def test_battery_bucketed_hooks():
-    battery(ch05.check_bucketed_hooks, correct=[attach_bucket_hooks],
-            different=[t05.buckets_imported_avg, t05.buckets_one_in_flight,
-                       t05.buckets_waited_by_future],
+def test_battery_arrival_buckets():
+    battery(ch05.check_arrival_buckets, correct=[arrival_order_buckets],
+            different=[t05.arrival_by_tensor_hooks],
             call=_with(world_sizes=(2, 3)), require=("correct", "different"))
-    said = battery(ch05.check_bucketed_hooks,
-                   wrong=[t05.buckets_never_waited, t05.buckets_per_tensor,
-                          t05.buckets_slightly_off],
-                   cheat=[t05.buckets_by_the_course, t05.buckets_by_torch_ddp],
-                   decoy=[t05.buckets_at_the_end, t05.buckets_one_late],
+    said = battery(ch05.check_arrival_buckets,
+                   wrong=[t05.arrival_summed, t05.arrival_over_the_cap,
+                          t05.arrival_one_per_gradient],
+                   cheat=[t05.arrival_by_the_course, t05.arrival_by_torch_ddp],
+                   decoy=[t05.arrival_registration_order, t05.arrival_at_the_end],
                    call=_with(world_sizes=(2,)), require=("wrong", "cheat", "decoy"))
-    _said(said, "wrong", "work.wait()", "one per bucket", "expected")
+    _said(said, "wrong", "SUM", "over the cap", "within the cap")
     _said(said, "cheat", "BucketedDDP", "C++")
-    _said(said, "decoy", "nothing overlaps", "first gradient of bucket 1")
+    _said(said, "decoy", ("in the order the gradients arrived", "nothing overlaps"),
+          "after backward had finished")
 
 
 def test_battery_resume_indices():

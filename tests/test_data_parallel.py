@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 import distlab
 from distlab import models
-from distlab.checks import CheckFailed, ch05
 from distlab.data_parallel import (BucketedDDP, average_gradients, broadcast_parameters,
                                    max_replica_difference, shard_batch)
 
@@ -297,43 +296,6 @@ def test_bucket_cap_must_be_positive():
 
 
 # ---- the workbook's checkers: they pass a right answer and name what is wrong in a wrong one ------
-
-def _hooks(model, buckets, world_size, overlap=True):
-    pending, works = {}, {}
-
-    def launch(i):
-        flat = torch.cat([p.grad.reshape(-1) for p in buckets[i]]) / world_size
-        works[i] = (flat, dist.all_reduce(flat, async_op=True))
-
-    def on_grad(p, i):
-        pending.setdefault(i, {id(q) for q in buckets[i]}).discard(id(p))
-        if not pending[i] and overlap:
-            launch(i)
-
-    for i, bucket in enumerate(buckets):
-        for p in bucket:
-            p.register_post_accumulate_grad_hook(lambda p, i=i: on_grad(p, i))
-
-    def finish():
-        for i, bucket in enumerate(buckets):
-            if not overlap:
-                launch(i)
-            flat, work = works.pop(i)
-            work.wait()
-            for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
-                p.grad.copy_(g.view_as(p))
-        pending.clear()
-    return finish
-
-
-def test_bucket_checker_passes_and_demands_overlap(capsys):
-    ch05.check_bucketed_hooks(_hooks, world_sizes=(3,))
-    assert "✅" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="every all_reduce was launched after backward had "
-                                          "finished, so nothing overlaps"):
-        ch05.check_bucketed_hooks(lambda m, b, w: _hooks(m, b, w, overlap=False),
-                                  world_sizes=(2,))
-
 
 # ---- predict_step: the one-rank timeline replayed on N ranks ------------------------------------
 
