@@ -125,9 +125,9 @@ def step_seconds(model, cluster, n_gpus, global_batch, seq_len, tp=1, pp=1, micr
     if cp > 1:
         # every ring step waits for its slowest hop: a pair across nodes once cp·tp spans them
         ring = [i * tp for i in range(cp)]
-        chunk = (cp - 1) * max(cluster.link_between([a, b]).seconds("send", item * 2 * t * kv
-                                                                    / tp, 2)
-                               for a, b in zip(ring, ring[1:] + ring[:1]))
+        hop_bytes = item * 2 * t * kv / tp                   # this rank's K and V
+        chunk = (cp - 1) * max(cluster.link_between([src, dst]).seconds("send", hop_bytes, 2)
+                               for src, dst in zip(ring, ring[1:] + ring[:1]))
         if flash:
             cp_exposed = (fwd_passes * max(0.0, chunk - kernel(False))
                           + max(0.0, 2 * chunk - 2.5 * kernel(True)))
