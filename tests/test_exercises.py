@@ -149,3 +149,25 @@ def test_a_kernel_that_dies_at_birth_is_started_again():
     with pytest.raises(RuntimeError, match="something else"):
         retry_kernel_start(dies(1, "something else"))()
     assert len(calls) == 1
+
+
+def test_every_workbook_checker_has_its_battery():
+    """Issue 44: every checker a workbook calls is proven, in these tests, against a wrong, a
+    cheating, a decoy and a differently-written correct answer (tests/checker_battery.py) — a new
+    exercise cannot land with a checker only its own solution has seen."""
+    called = set()
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "code":
+                called |= set(re.findall(r"\b(ch\d\d)\.(check_\w+)\(", cell.source))
+    assert len(called) >= 50
+    tests = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    lacking = {}
+    for chapter, check in sorted(called):
+        kinds = set()
+        for use in re.finditer(rf"battery\(\s*(?:lambda[^:]*:\s*)?{chapter}\.{check}\b", tests):
+            call = tests[use.start():tests.find("\n\n", use.start())]
+            kinds |= set(re.findall(r"\b(wrong|cheat|decoy|different)=\[", call))
+        if kinds != {"wrong", "cheat", "decoy", "different"}:
+            lacking[f"{chapter}.{check}"] = sorted({"wrong", "cheat", "decoy", "different"} - kinds)
+    assert not lacking, f"checkers whose battery lacks these kinds of answer: {lacking}"
