@@ -102,21 +102,6 @@ def uneven_by_chapter_11(model, n_local):
 
 # ---- exercise 1: average_gradients ---------------------------------------------------------------
 
-def average_with_imported_avg(model):
-    from torch.distributed import ReduceOp, all_reduce
-    for p in model.parameters():
-        all_reduce(p.grad, op=ReduceOp.AVG)
-
-
-def average_summed(model):
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-
-
-def average_by_the_course(model):
-    from distlab.data_parallel import average_gradients
-    average_gradients(model)
-
 
 # ---- exercise 2: buckets rebuilt in the order the gradients arrived -----------------------------
 

@@ -10,7 +10,6 @@ middle ranks, so a checker that looked at rank 0 alone would pass them.
 """
 import contextlib
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -45,21 +44,6 @@ def _with(**kwargs):
 def _copy_back(grads, flat):
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
-
-
-def average_by_ring(model):
-    """Correct, written differently: one flat buffer around a hand-written ring."""
-    grads = [p.grad for p in model.parameters()]
-    _copy_back(grads, ring_all_reduce(torch.cat([g.reshape(-1) for g in grads]))
-               / dist.get_world_size())
-
-
-def average_by_objects(model):
-    """A cheat: the gradients pickled through an object collective."""
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, [p.grad for p in model.parameters()])
-    for i, p in enumerate(model.parameters()):
-        p.grad.copy_(sum(g[i] for g in every) / len(every))
 
 
 def uneven_by_ring(model, n_local):
@@ -110,32 +94,6 @@ def test_battery_uneven_average():
                    different=[uneven_by_ring], call=_with(world_sizes=(3,)),
                    require=("wrong", "different"))
     _said(last, "wrong", "rank 2")
-
-
-def average_by_two(model):
-    """A decoy: the sum divided by 2, a world size known in advance (right on 2 ranks)."""
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= 2
-
-
-def average_plain(model):
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
-
-
-def test_battery_average_gradients():
-    battery(ch05.check_average_gradients, correct=[average_plain],
-            different=[t05.average_with_imported_avg], decoy=[average_by_two],
-            call=_with(world_sizes=(2, 3)), require=("correct", "different", "decoy"))
-    said = battery(ch05.check_average_gradients, wrong=[t05.average_summed],
-                   cheat=[t05.average_by_the_course, average_by_objects],
-                   call=_with(world_sizes=(2,)), require=("wrong", "cheat"))
-    _said(said, "wrong", "SUM")
-    _said(said, "cheat", "the exercise is to", "all_gather_object")
-    battery(ch05.check_average_gradients, different=[average_by_ring],
-            call=_with(world_sizes=(3,)), require=("different",))
 
 
 def arrival_order_buckets(model, world_size, cap_bytes):

@@ -1,7 +1,6 @@
 """Checkers for workbook 05, one file per exercise's judge:
 
 - `uneven`:    1. gradients averaged over shards of different sizes, in one all-reduce;
-- `gradients`: the chapter's plain averaging, and bucketed all-reduce from autograd hooks;
 - `arrival`:   2. buckets rebuilt after the first step in the order the gradients arrived;
 - `sampling`:  3. an epoch resumed on a different number of ranks, as DistributedSampler splits;
 - `training`:  4. a scaled batch and learning rate; 5. a DDP class with no_sync;
@@ -14,7 +13,6 @@ what travelled by its values, not only its size (`_wire`).
 """
 from ._common import GLOBAL_BATCH, STEPS  # noqa: F401
 from .arrival import check_arrival_buckets  # noqa: F401
-from .gradients import check_average_gradients  # noqa: F401
 from .predict import check_step_prediction, link_terms, one_rank_step  # noqa: F401
 from .sampling import RESUME_CASES, check_resume_indices  # noqa: F401
 from .script import _token_reference, check_ddp_script  # noqa: F401
