@@ -14,7 +14,7 @@ they share, one module per idea, and every name is re-exported here (`from . imp
 from ..launch import RankFailed, RunTimeout  # noqa: F401
 from ._forbid import _refusing_code, forbid  # noqa: F401
 from ._hangs import hang_advice, where_ranks_wait  # noqa: F401
-from ._learner import (_not_written, call_learner, check_on_ranks, expect_arguments,  # noqa: F401
-                       learner_seconds, run, run_learner, unsolved_stub)
+from ._learner import (_not_written, call_learner, expect_arguments, learner_seconds,  # noqa: F401
+                       run, run_learner, unsolved_stub)
 from ._verdict import (CheckFailed, UsedCourseCode, compare, first_difference,  # noqa: F401
                        passed, sizes_phrase)

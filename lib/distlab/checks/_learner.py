@@ -9,7 +9,7 @@ from ..launch import run as _launch_run
 from .._stub import MESSAGE as _STUB_MESSAGE
 from ._forbid import forbid
 from ._hangs import _ranks_phrase, hang_advice, where_ranks_wait
-from ._verdict import CheckFailed, UsedCourseCode, compare
+from ._verdict import CheckFailed, UsedCourseCode
 
 
 def run(fn, world_size, *args, **kwargs):
@@ -138,17 +138,3 @@ def expect_arguments(fn, n_args, example, name=None):
         raise TypeError(f"{name} should take {n_args} arguments, as in {example}; it takes "
                         f"{len(positional)}.")
     return name
-
-
-def check_on_ranks(fn, reference, world_sizes, args_for=lambda ws: (), name=None,
-                   atol=1e-6, rtol=1e-5, timeout=30):
-    """Run `fn` and `reference` on each world size with the same arguments; compare every rank."""
-    name = name or getattr(fn, "__name__", "your function")
-    for ws in world_sizes:
-        args = args_for(ws)
-        expected = run(reference, ws, *args, timeout=timeout)
-        got = run_learner(fn, ws, *args, name=name, timeout=timeout)
-        for rank in range(ws):
-            compare(got[rank], expected[rank], f"{name} with world_size={ws}, rank {rank}",
-                    atol, rtol)
-    return world_sizes
