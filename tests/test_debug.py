@@ -236,6 +236,13 @@ def test_ch11_straggler_numbers_are_the_emulated_runs():
               "one GPU 10 % slow costs")
     for q in quoted:
         assert q in text, q
+    # §5: the compute rate counted as 6·N FLOPs a token sits a little above the matmul cap (the
+    # MAMF calibration row), by less than the first layer's uncomputed input gradient (1/12)
+    from distlab import hardware, nan_debug
+    rate = nan_debug.flops_per_token(params, REAL["layers"], h, seq_len=0) * REAL["tokens"] / compute
+    mamf = hardware.H100.gemm_max * hardware.H100.peak(torch.bfloat16)
+    assert 1.0 < rate / mamf < 12 / 11
+    assert f"It comes out {round(100 * (rate / mamf - 1))} % above that row" in text
 
 
 # ---- the workbook's checkers, each through the battery (tests/checker_battery.py): the solution
