@@ -89,7 +89,65 @@ def _proofs(rank, world_size):
     out["no_ef"] = compression.accumulated_gap(gradient, 30, rank=1, error_feedback=False)
     out["gnorm"] = float(common.norm())
     out.update(_low_bit_proofs(rank, world_size))
+
+    # 7. Streaming DiLoCo's overlap: τ inner steps between a fragment's launch and its outer step.
+    for tau in OVERLAPS:
+        model = make_mlp(seed=0).double()
+        _, wrap = diloco.train(model, _shards(rank, world_size, steps=12), sgd, H=4,
+                               fragments=3, overlap=tau)
+        out[f"overlap_{tau}"] = ([g for frag in wrap.globals for g in frag],
+                                 [p.detach() for p in model.parameters()], wrap.syncs)
+    plain = make_mlp(seed=0).double()              # no overlap argument: today's DiLoCo
+    diloco.train(plain, _shards(rank, world_size, steps=12), sgd, H=4, fragments=3)
+    out["overlap_plain"] = [p.detach() for p in plain.parameters()]
     return out
+
+
+OVERLAPS = (0, 1, 3)
+
+
+def _overlap_reference(world_size, tau, H=4, fragments=3, steps=12):
+    """One process replays streaming DiLoCo with overlap τ for every rank: at fragment f's turn
+    the mean of the ranks' pseudo-gradients (global - local) is captured; τ inner steps later the
+    outer Nesterov steps the global copy with it, and each rank's fragment becomes the new global
+    plus its drift since the launch. Returns the global copies and each rank's parameters."""
+    models = [make_mlp(seed=0).double() for _ in range(world_size)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    data = [_shards(r, world_size, steps=steps) for r in range(world_size)]
+    params = [list(m.parameters()) for m in models]
+    size = -(-len(params[0]) // fragments)
+    cuts = [range(i, min(i + size, len(params[0]))) for i in range(0, len(params[0]), size)]
+    glob = [[params[0][i].detach().clone() for i in c] for c in cuts]
+    outers = [diloco.nesterov(g) for g in glob]
+    flying = []                                     # (due step, fragment, mean, locals at launch)
+
+    def land(f, mean, then):
+        for g, m in zip(glob[f], mean):
+            g.grad = m
+        outers[f].step()
+        with torch.no_grad():
+            for r in range(world_size):
+                for g, i, old in zip(glob[f], cuts[f], then[r]):
+                    params[r][i].copy_(params[r][i] - old + g)
+    for s in range(1, steps + 1):
+        for r in range(world_size):
+            opts[r].zero_grad()
+            F.mse_loss(models[r](data[r][s - 1][0]), data[r][s - 1][1]).backward()
+            opts[r].step()
+            models[r].zero_grad(set_to_none=True)
+        for f in range(len(cuts)):                  # fragments are disjoint: launch, then land
+            if (s - f * H // len(cuts)) % H == 0:
+                mean = [sum(glob[f][j] - params[r][i].detach() for r in range(world_size))
+                        / world_size for j, i in enumerate(cuts[f])]
+                then = [[params[r][i].detach().clone() for i in cuts[f]]
+                        for r in range(world_size)]
+                flying.append((s + tau, f, mean, then))
+        for _, f, mean, then in [x for x in flying if x[0] == s]:
+            land(f, mean, then)
+        flying = [x for x in flying if x[0] != s]
+    for _, f, mean, then in flying:
+        land(f, mean, then)
+    return [g for frag in glob for g in frag], [[p.detach() for p in ps] for ps in params]
 
 
 LOW_BIT_BLOCK = 64
@@ -193,6 +251,25 @@ def test_streaming_syncs_each_fragment_once_per_H_at_its_offset(proofs):
     # offsets 0, 1, 2 (f * 4 // 3): fragment 1 at steps 1 and 5, fragment 2 at 2 and 6, 0 at 4, 8
     assert calls == [(1, 1), (2, 2), (4, 0), (5, 1), (6, 2), (8, 0)]
     assert stream_bytes == whole_bytes
+
+
+def test_overlap_zero_is_todays_diloco_and_any_overlap_is_the_replayed_schedule(proofs):
+    """overlap=0 is the plain streaming DiLoCo bit for bit; for every τ the ranks hold identical
+    global copies, equal (1e-12, float64) to one process replaying the schedule, parameters too."""
+    n, results = proofs
+    for r, out in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(out["overlap_0"][1], out["overlap_plain"]))
+    for tau in OVERLAPS:
+        ref_globals, ref_params = _overlap_reference(n, tau)
+        for r, out in enumerate(results):
+            globs, params, syncs = out[f"overlap_{tau}"]
+            assert syncs == 9                   # 12 steps, 3 fragments, one outer step per 4 steps
+            assert all(torch.equal(a, b) for a, b in zip(globs, results[0][f"overlap_{tau}"][0]))
+            gap = max((a - b).abs().max().item() for a, b in
+                      zip(globs + params, ref_globals + ref_params[r]))
+            assert gap < 1e-12, (n, tau, r, gap)
+    one, three = (results[0][f"overlap_{t}"][0] for t in (1, 3))
+    assert max((a - b).abs().max().item() for a, b in zip(one, three)) > 1e-6   # τ matters
 
 
 def test_full_rank_powersgd_is_the_exact_mean(proofs):
@@ -315,6 +392,12 @@ def test_bytes_per_step_and_refusals():
         compression.quantize(torch.arange(8))
     with pytest.raises(ValueError, match="outer_dtype must be None, 'int8' or 'int4'"):
         diloco.DiLoCo(model, 2, outer_dtype="fp8")
+    with pytest.raises(ValueError, match="overlap=2 must be less than H=2"):
+        diloco.DiLoCo(model, 2, overlap=2)
+    with pytest.raises(ValueError, match="overlap must be a whole number >= 0"):
+        diloco.DiLoCo(model, 2, overlap=-1)
+    with pytest.raises(ValueError, match="choose one of them"):
+        diloco.DiLoCo(model, 2, overlap=1, outer_dtype="int8")
     assert compression.payload_bytes(10, 8) == 10.0 and compression.payload_bytes(10, 4) == 5.0
     assert compression.payload_bytes(129, 4, 64) == 65 + 3 * 4
     from distlab import across_sites as a      # the chapter's closed form is payload_bytes's
@@ -494,3 +577,23 @@ def test_emulated_two_site_run_lands_on_the_closed_form():
                 f"({verdict})") in stored, m
     assert "by a quarter of a percent at H = 10" in _stored("DDP and PowerSGD agree", "markdown")
     assert round(100 * dil[0], 2) == 0.26
+
+
+def test_stored_overlap_run_hides_the_sync_as_the_closed_form_says():
+    """The chapter's emulated streaming DiLoCo (H = 100, 4 fragments): each τ's stored step is
+    the site's compute plus what of each fragment's all-reduce τ steps of compute do not hide,
+    4 times per 100 steps (within 0.5 %: the outer step's arithmetic is charged on top)."""
+    import re
+    from distlab import across_sites as a
+    sites = a.Sites(gbit=10)
+    compute, sync = a.inner_step(a.INTELLECT_1, sites, 2 ** 21), sites.cross(a.INTELLECT_1.params())
+    stored = _stored("across_sites.emulated_overlap(")
+    assert "⏱ emulated:" in stored and "values not computed: meta tensors" in stored
+    assert f"a site's step alone {compute:.2f} s; one fragment's all-reduce {sync:.2f} s" in stored
+    got = {int(t): float(s) for t, s in re.findall(r"overlap τ = (\d): ([\d.]+) s per step", stored)}
+    assert sorted(got) == [0, 1, 2]
+    for tau, seconds in got.items():
+        closed = compute + 4 * max(0.0, sync - tau * compute) / 100
+        assert abs(seconds / closed - 1) < 0.005, (tau, seconds, closed)
+    prose = _stored("one inner step\nof overlap hides", kind="markdown")
+    assert f"fragment's {sync:.0f} s all-reduce" in prose and f"hides {compute:.1f} s of it" in prose

@@ -15,8 +15,8 @@ Between two sites an all-reduce is a ring of two: each site sends its half and r
 half twice (reduce-scatter, then all-gather), so S bytes cross each direction of the link. The
 cross-site time is charged after the step, not hidden behind backward (DDP's would hide only as
 much as one backward lasts; DiLoCo's could hide behind the next inner steps, which is what
-Streaming DiLoCo's overlap does — not modeled). The numbers are modeled with the course's
-hardware model, not measured: every table built from them says so.
+Streaming DiLoCo's overlap does: `emulated_overlap` runs it). The numbers are modeled with the
+course's hardware model, not measured: every table built from them says so.
 
 `emulated_step_times` runs the same comparison as code under the emulator: two ranks, each one
 site, on a Cluster whose only link between "nodes" is the sites' link; a site's step is charged
@@ -180,3 +180,35 @@ def emulated_step_times(model, sites, tokens_per_site=2 ** 21, Hs=(10, 100, 500)
     out = {"DDP (bf16 gradients)": got["DDP"], f"PowerSGD rank {rank} (bf16)": got["PowerSGD"]}
     out.update({f"DiLoCo H={H} (32-bit)": got[H] for H in Hs})
     return out
+
+
+def _emulated_overlap(rank, world_size, compute, params, H, fragments, taus):
+    """One rank = one site running streaming DiLoCo (the course's, on a meta replica cut into
+    `fragments` tensors) with each overlap τ: seconds per step over a second period of H steps
+    (the first fills the pipeline)."""
+    import torch
+    from . import diloco, trace
+    out = {}
+    for tau in taus:
+        replica = torch.nn.ParameterList([torch.nn.Parameter(torch.empty(
+            params // fragments, device="meta")) for _ in range(fragments)])
+        wrap = diloco.DiLoCo(replica, H, diloco.plain_average, fragments, overlap=tau)
+        for _ in range(2):
+            start = trace.now()
+            for _ in range(H):
+                trace.compute(compute, "a site's step")
+                wrap.step()
+        out[tau] = (trace.now() - start) / H
+        wrap.finish()
+    return out
+
+
+def emulated_overlap(model, sites, H=100, fragments=4, taus=(0, 1, 2), tokens_per_site=2 ** 21):
+    """Streaming DiLoCo (fp32 pseudo-gradients, `fragments` fragments, H) under the emulator on
+    `two_site_cluster(sites)`, each fragment's all-reduce overlapped with τ inner steps for each
+    τ of `taus`: ({τ: seconds per step}, a site's step alone) — emulated, not measured."""
+    import distlab
+    compute = inner_step(model, sites, tokens_per_site)
+    got = distlab.run(_emulated_overlap, 2, compute, model.params(), H, fragments, tuple(taus),
+                      emulate=two_site_cluster(sites), timeout=120)[0]
+    return got, compute
