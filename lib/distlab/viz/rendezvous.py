@@ -5,6 +5,8 @@ and one per rank; time runs downwards. The steps are those `init_process_group` 
 those `distlab.rendezvous.toy_rendezvous` takes by hand.
 """
 import matplotlib.pyplot as plt
+from matplotlib.patches import FancyArrowPatch
+from matplotlib.path import Path
 
 STORE_COLOR, RANK_COLOR, PEER_COLOR = "#4c72b0", "#dd8452", "#55a868"
 
@@ -70,12 +72,29 @@ def rendezvous_sequence(world_size=3, host="rank 0's process", ax=None):
                     va="bottom", color=STORE_COLOR)
         if i in (4, 5):
             # Every pair of ranks gets its own connection (gloo builds a full mesh), each on its
-            # own row: a connection that skips a rank crosses its lifeline, never another line.
+            # own row. A connection that skips ranks arcs over their lifelines, half a row high
+            # whatever its length (so it meets no other row's line), and each lifeline it passes
+            # has a short gap there: the line jumps over the rank, it does not stop at it.
             for k, (a, b) in enumerate(pairs):
                 y = y0 - gap * k
-                ax.annotate("", xy=(xs[b], y), xytext=(xs[a], y), zorder=2,
-                            arrowprops=dict(arrowstyle="<|-|>" if i == 5 else "-",
-                                            color=PEER_COLOR, lw=1.2, shrinkA=2, shrinkB=2))
+                span = xs[b] - xs[a]
+                style = "<|-|>" if i == 5 else "-"
+                if b - a == 1:
+                    ax.annotate("", xy=(xs[b], y), xytext=(xs[a], y), zorder=2,
+                                arrowprops=dict(arrowstyle=style, color=PEER_COLOR, lw=1.2,
+                                                shrinkA=2, shrinkB=2))
+                else:
+                    # A quadratic curve with its control point a row above the middle: it peaks
+                    # half a row above its own, and x runs linearly along it.
+                    arc = Path([(xs[a], y), (xs[a] + span / 2, y + gap), (xs[b], y)],
+                               [Path.MOVETO, Path.CURVE3, Path.CURVE3])
+                    ax.add_patch(FancyArrowPatch(path=arc, arrowstyle=style, color=PEER_COLOR,
+                                                 lw=1.2, mutation_scale=10, zorder=2))
+                for skipped in range(a + 1, b):
+                    t = (xs[skipped] - xs[a]) / span       # x runs linearly along this curve
+                    yc = y + 2 * t * (1 - t) * gap
+                    ax.plot([xs[skipped]] * 2, [yc - 0.3 * gap, yc + 0.3 * gap], color="white",
+                            lw=3, zorder=1.5, solid_capstyle="butt")
                 if i == 4:
                     ax.plot([xs[a], xs[b]], [y, y], "o", color=PEER_COLOR, ms=3, zorder=3)
         y0 -= heights[i]

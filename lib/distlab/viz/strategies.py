@@ -26,9 +26,15 @@ STRATEGIES = [
 ]
 
 
-def strategy_map(figsize=(15, 4.2)):
-    """Five panels; in each, four devices side by side, each showing what it holds."""
-    fig, axes = plt.subplots(1, len(STRATEGIES), figsize=figsize)
+def strategy_map(figsize=(10, 7.4)):
+    """Five panels in two rows (three, then two centred); in each, four devices side by side,
+    each showing what it holds. About 10 inches wide: it fits a notebook's column."""
+    fig = plt.figure(figsize=figsize)
+    grid = fig.add_gridspec(2, 6)
+    # Each panel spans two of six columns, so the second row's two panels sit centred.
+    axes = [fig.add_subplot(grid[0, 0:2]), fig.add_subplot(grid[0, 2:4]),
+            fig.add_subplot(grid[0, 4:6]), fig.add_subplot(grid[1, 1:3]),
+            fig.add_subplot(grid[1, 3:5])]
     for ax, (title, caption, holds, batch, *borrowed) in zip(axes, STRATEGIES):
         for d in range(4):
             x0 = d * 1.25
@@ -65,7 +71,7 @@ def strategy_map(figsize=(15, 4.2)):
         ax.set_xlim(-0.6, 5.0)
         ax.set_ylim(-2.2, 4.5)
         ax.axis("off")
-    fig.suptitle("What each strategy splits across 4 GPUs "
+    fig.suptitle("What each strategy splits across 4 GPUs\n"
                  "(coloured: held by that GPU · grey: the part of the batch it processes)",
                  fontsize=11)
     fig.tight_layout()
