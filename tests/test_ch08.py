@@ -524,3 +524,18 @@ def test_zb_v_authors_zero_and_section_6_prose_numbers():
            f"received per step here, against {stage * 7 / 8 / 1e9:.1f} GB once" in text
     assert ps.parameter_gathers(bfs[0], "while in use") == (3, 1)
     assert "so it gathers 3 times per step while holding one chunk" in text
+
+
+def test_end_stages_prose_numbers():
+    """08b, section 3: Llama 3 8B's embedding and head against one of its layers, as the prose
+    quotes them (its released config: vocabulary 128,256, hidden 4,096, 8 key/value heads of 128,
+    MLP 14,336, 32 layers); the shape adds up to the model's 8.0B."""
+    V, H, KV, FFN, L = 128_256, 4096, 8 * 128, 14_336, 32
+    layer = 2 * H * H + 2 * H * KV + 3 * H * FFN + 2 * H
+    table = V * H
+    assert 8.0e9 < L * layer + 2 * table + H < 8.1e9
+    text = " ".join(_chapter_markdown().split())
+    assert f"its {table / 1e6:.0f}M parameters" in text
+    assert (f"a 4096 × 128,256 GEMM on every token, about as much matrix work as "
+            f"{table / layer:.1f} of the {layer / 1e6:.0f}M layers") in text
+    assert "32 layers cut 8 / 8 / 8 / 8 do not balance" in text

@@ -543,3 +543,32 @@ def test_which_axis_runs_out_first_as_chapter_10_says():
     assert "Here **the link runs out first**: T\\* is four times a micro-batch" in text
     with pytest.raises(ValueError, match="whole nodes"):
         layout.axis_table("Llama-2 70B", [12], 1024)
+
+
+def test_interleaving_changes_the_70b_answer_as_chapter_10_says():
+    """Chapter 10's interleaving paragraph: at half the batch (256 sequences) the best 70B layout
+    on 4 × 8 H100s changes from tp=2 to pp=8 × tp=1 with interleave=2, its bubble halved and its
+    stage-to-stage messages doubled; at 512 the winner stays and only its step falls."""
+    from distlab import layout
+    kw = dict(nodes=4, gpus_per_node=8, global_batch=256)
+    one, two = (layout.rank_layouts("Llama-2 70B", interleave=v, **kw) for v in (1, 2))
+    shape = lambda r: (r["dp"], r["pp"], r["tp"])          # noqa: E731
+    assert shape(one[0]) == (4, 4, 2) and shape(two[0]) == (4, 8, 1)
+    pp8 = next(r for r in one if shape(r) == (4, 8, 1))
+    win = two[0]
+    assert win["bubble_s"] == pytest.approx(pp8["bubble_s"] / 2, rel=0.02)
+    assert win["pp_s"] > 1.8 * pp8["pp_s"] and win["gb"] > pp8["gb"]
+    text = _prose(_chapter())
+    assert (f"the tp=2 layout wins: dp=4 × pp=4 × tp=2 at {one[0]['step_s']:.1f} s, because "
+            f"dp=4 × pp=8 × tp=1's bubble ({pp8['bubble_s']:.1f} s) costs more than tp=2's "
+            f"all-reduces and smaller bubble ({one[0]['tp_s']:.1f} + {one[0]['bubble_s']:.1f} s)"
+            ) in text
+    assert (f"dp=4 × pp=8 × tp=1 wins at {win['step_s']:.1f} s, its bubble down to "
+            f"{win['bubble_s']:.1f} s") in text
+    assert f"(pp comm {pp8['pp_s']:.2f} → {win['pp_s']:.2f} s" in text
+    assert f"({pp8['gb']:.1f} → {win['gb']:.1f} GB)" in text
+    a, b = (layout.rank_layouts("Llama-2 70B", nodes=4, gpus_per_node=8, interleave=v)[0]
+            for v in (1, 2))
+    assert shape(a) == shape(b)
+    assert f"the winner stays and its step falls from {a['step_s']:.1f} s to {b['step_s']:.1f} s" \
+        in text
