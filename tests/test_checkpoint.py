@@ -152,12 +152,10 @@ def test_the_slurm_scripts_torchrun_line_joins_two_agents_standing_in_for_two_no
         uninterrupted, tmp_path):
     """lib/distlab/scripts/slurm_train.sh outside Slurm runs one agent; two of them, one rank
     each, meet at the c10d rendezvous endpoint as two nodes would, and train as tp=2."""
-    import socket
     from pathlib import Path
+    from distlab.launch import _free_port            # outside the ephemeral range: no race
     script = Path(__file__).parents[1] / "lib" / "distlab" / "scripts" / "slurm_train.sh"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     folder = str(tmp_path / "run")
     env = dict(os.environ, NNODES="2", NPROC="1", RDZV_HOST="127.0.0.1", PORT=str(port),
                RDZV_ID=f"test{port}", PYTHON=sys.executable)

@@ -9,16 +9,15 @@ A race cannot be asked to happen on demand; what it needs can be seen: gloo thre
 when the interpreter starts finalizing (the atexit handlers run just before).
 """
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # outside the ephemeral range, where another process's connection could take it first
+    from distlab.launch import _free_port as free_port
+    return free_port()
 
 
 def test_minimal_ddp_leaves_no_gloo_thread_alive_into_interpreter_shutdown(tmp_path):

@@ -73,7 +73,26 @@ def _start_without_main(process):
             spawn.get_preparation_data = original
 
 
+# Ports for a rendezvous that rank 0 binds later (init=False): chosen below the kernels'
+# ephemeral ranges (Linux 32768-60999, macOS 49152-65535), where every outgoing connection of
+# every other process takes its local port. A port the OS hands out for bind(0) comes from that
+# range, so between this check and rank 0's bind a gloo connection elsewhere on the machine
+# could take it ("Address already in use", seen under make test's parallel workers).
+_RENDEZVOUS_PORTS = (20000, 32000)
+
+
 def free_port():
+    """A loopback port free now, outside the ephemeral range when one there is free."""
+    import random
+    pick = random.SystemRandom()        # not the global generator: notebooks seed that one
+    for _ in range(64):
+        port = pick.randrange(*_RENDEZVOUS_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
