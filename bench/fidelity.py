@@ -215,7 +215,7 @@ def predict_train(c):
 
 
 def predict_memory(c):
-    _train_refusals(dict(c, cp="1"))
+    _train_refusals(c)
     model = _model(c)
     n, batch, seq = int(c["gpus"]), int(c["batch"]), int(c["seq"])
     tp, pp, cp = int(c.get("tp", "1")), int(c.get("pp", "1")), int(c.get("cp", "1"))
