@@ -61,7 +61,7 @@ HINTED = {"00_why_distributed.ipynb": 3, "01_processes_and_ranks.ipynb": 5,
           "06_memory_and_zero.ipynb": 3,
           "07_tensor_parallel.ipynb": 3, "08_pipeline_parallel.ipynb": 3,
           "09_expert_parallel.ipynb": 3,
-          "10_3d_parallelism.ipynb": 4, "11_debugging.ipynb": 6,
+          "10_3d_parallelism.ipynb": 5, "11_debugging.ipynb": 6,
           "12_context_parallelism.ipynb": 6, "13_slow_links_and_failures.ipynb": 3}
 
 

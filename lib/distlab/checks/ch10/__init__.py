@@ -7,6 +7,7 @@ build, judged by the values that travelled: `_carried`), `layout_choice` (4. cho
 for a model and a cluster).
 """
 from .layout_choice import LAYOUT_CASES, check_choose_layout  # noqa: F401
+from .reshard import RESHARD_CASES, check_read_plan  # noqa: F401
 from .step_3d import STEP_BATCH, STEP_CFG, STEP_LR, STEP_MESHES, check_step_3d  # noqa: F401
 from .token_loss import (LOSS_MESHES, _micro_batches, _token_means,  # noqa: F401
                          check_token_mean_loss)
