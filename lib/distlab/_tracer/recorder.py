@@ -7,13 +7,19 @@ import time
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .ops import (_COLLECTIVES, _COMM_NAMESPACES, _NATIVE, _P2P, _dtype, _first_dtype, _flops,
                   _matmul_shape, _nbytes, _op_bytes, _tensors)
 from .meta import MetaValueError, _MetaFunctions, _meta, _on_meta
 from .work import TracedWork, _NoTransfer
+
+
+def _is_dtensor(types):
+    # DTensor (with sympy) costs ≈ 0.75 s to import: a torchrun worker or a kernel that never
+    # makes one need not pay it, and no DTensor exists before its module is imported.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(issubclass(t, module.DTensor) for t in types)
 
 
 class _DeviceMode(TorchDispatchMode):
@@ -26,7 +32,7 @@ class _DeviceMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # a DTensor op, charged here, would cost its global shapes on every rank: let DTensor
         # run it on its local tensors, which come back here
-        if any(issubclass(t, DTensor) for t in types):
+        if _is_dtensor(types):
             return NotImplemented
         if any(issubclass(t, FakeTensor) for t in types):   # DTensor's shape inference
             return func(*args, **(kwargs or {}))
