@@ -996,3 +996,55 @@ def predict_by_the_course(step_alone, buckets, n, latency, hop, busbw):
     return predict_step({"buckets": buckets}, step_alone, n, None)
 
 
+
+
+# ---- the published GPU measurements chapters 05 and 05b set beside the model -------------------
+
+def test_published_points_carry_their_source_and_the_text_they_were_read_from():
+    from distlab import published_dp as pub
+    assert len(pub.WEAK_SCALING) >= 6
+    for p in pub.WEAK_SCALING:
+        assert 0 < p.efficiency <= 1 and p.gpus > (p.baseline_gpus or 1)
+        assert "http" in p.source and p.quote and p.what and p.cite
+        if p.cite.startswith("pytorch benchmarks"):       # derived from the benchmark's table
+            table = pub.DDP_BENCH_EX_PER_S[p.what.split(",")[0]]
+            assert f"{table[p.gpus]} ex/s" in p.quote and f"{table[1]} ex/s" in p.quote
+        else:                                             # printed by the source as a percentage
+            assert f"{round(p.efficiency * 100)}%" in p.quote
+    for setup, effect, source, quote in pub.OVERLAP:
+        assert setup and effect and "#" in source and quote
+    assert "bucket_cap_mb=1" in pub.DDP_BENCH_BUCKET_QUOTE
+
+
+def test_efficiency_from_a_published_throughput_table():
+    from distlab import published_dp as pub
+    assert pub.efficiency_from_throughput({8: 200.0, 16: 190.0}) == {8: 1.0, 16: 0.95}
+    eff = pub.efficiency_from_throughput(pub.DDP_BENCH_EX_PER_S["ResNet-50"])
+    assert eff[16] == pytest.approx(306 / 329) and round(eff[16], 3) == 0.930
+    # the table's ex/sec is per GPU: batch 32 over its p50 sec/iter (0.097 s on 1 GPU, 0.104 s on 16)
+    assert 32 / 0.097 == pytest.approx(329, rel=0.01) and 32 / 0.104 == pytest.approx(306, rel=0.01)
+    bench = {p.gpus: p.efficiency for p in pub.WEAK_SCALING if p.label.startswith("torch DDP, ResNet-50")}
+    assert bench == {8: eff[8], 16: eff[16]}
+    assert "16 GPUs -3.8 %" in pub.bucket_report() and "10 % less" in pub.overlap_report()
+
+
+def test_05b_figure_draws_the_measured_points_beside_the_model():
+    import matplotlib.pyplot as plt
+    from distlab import published_dp as pub
+    from distlab.viz.ddp import measured_points, scaling_efficiency
+    ns = (1, 8, 256)
+    ax = scaling_efficiency(ns, {"A100, overlap on": list(ns)}, jitter=0.02)
+    try:
+        measured_points(ax, pub.WEAK_SCALING)
+        drawn = [line for line in ax.get_lines() if line.get_label().endswith("(measured)")]
+        labels = list(dict.fromkeys(p.label for p in pub.WEAK_SCALING))
+        assert [line.get_label() for line in drawn] == [f"{label} (measured)" for label in labels]
+        for line, label in zip(drawn, labels):
+            points = [p for p in pub.WEAK_SCALING if p.label == label]
+            assert list(line.get_xdata()) == [p.gpus for p in points]
+            assert list(line.get_ydata()) == [p.efficiency for p in points]
+            assert line.get_linestyle() == "None"
+        assert ax.get_xlim()[1] >= 512 and ax.get_ylim()[0] < 0.68
+        assert len(ax.get_legend().get_texts()) == 1 + 1 + len(labels)    # the model, jitter, measured
+    finally:
+        plt.close("all")

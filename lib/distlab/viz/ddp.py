@@ -262,3 +262,23 @@ def busbw_beside_nccl_tests(published_csv, cases=NCCL_TESTS_A100):
         lines.append(f"all_reduce busbw, {n} {gpu}s: model {model / 1e9:.0f} GB/s, nccl-tests "
                      f"{float(row['value']):.1f} GB/s ({row['source']})")
     return "\n".join(lines)
+
+
+def measured_points(ax, points, ymin=0.6):
+    """Draw published weak-scaling measurements (`distlab.published_dp.Measured`) on a
+    `scaling_efficiency` picture: one marker style per source label, filled and black-edged so
+    they read as measurements beside the model's lines; the axes widen to hold them. The legend
+    moves outside, right of the plot, with every label marked predicted, assumed or measured."""
+    markers = "sDv^P*X"
+    by_label = {}
+    for p in points:
+        by_label.setdefault(p.label, []).append(p)
+    for i, (label, group) in enumerate(by_label.items()):
+        ax.plot([p.gpus for p in group], [p.efficiency for p in group], ls="none",
+                marker=markers[i % len(markers)], ms=8, mec="black", mew=0.8,
+                label=f"{label} (measured)")
+    lo, hi = ax.get_xlim()
+    ax.set_xlim(lo, max(hi, 1.3 * max(p.gpus for p in points)))
+    ax.set_ylim(min(ymin, min(p.efficiency for p in points) - 0.03), 1.02)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return ax
