@@ -908,3 +908,60 @@ def test_the_prefetch_figure_says_what_the_prose_says():
     # the two halves add up to the emulated step the table above prints for h100-ib
     on = re.search(r"h100-ib   x2: prefetch off (\d+\.\d\d) ms, on (\d+\.\d\d) ms", outputs)
     assert abs(f0 + b0 - float(on.group(1))) < 0.15 and abs(f1 + b1 - float(on.group(2))) < 0.15
+
+
+# ---- chapter 06b §5: HSDP priced (distlab.hsdp_cost) -----------------------------------------
+
+def test_hsdp_cost_prices_what_each_layout_sends():
+    import dataclasses
+    from distlab import hsdp_cost
+    from distlab.hardware import PRESETS
+    eight = PRESETS["h100-cluster"]
+    one = dataclasses.replace(eight, nics_per_node=1)
+    p, units = 8e9, 10
+    # one node: HSDP is FSDP, nothing on the network
+    c = hsdp_cost.step_comm(eight, p, 1, units)
+    assert c["fsdp"]["total"] == pytest.approx(c["hsdp"]["total"])
+    assert c["fsdp"]["network"] == c["hsdp"]["network"] == 0
+    for nodes in (2, 8):
+        n = 8 * nodes
+        c = hsdp_cost.step_comm(eight, p, nodes, units)
+        # FSDP's ring edge out of a node: (N-1)/N of two bf16 gathers and a bf16 reduce-scatter
+        assert c["fsdp"]["network_bytes"] == pytest.approx(6 * p * (n - 1) / n)
+        # HSDP: 8 rings, each an all-reduce of 1/8 of the bf16 gradient over the nodes
+        assert c["hsdp"]["network_bytes"] == pytest.approx(2 * (nodes - 1) / nodes * 2 * p)
+        inside = hsdp_cost.step_comm(eight, p, 1, units)["fsdp"]["total"]
+        assert c["hsdp"]["nvlink"] == pytest.approx(inside)
+        # with one NIC a node the 8 replica groups share it: the all-reduce's bytes take 8x longer
+        lat = units * eight.link_between(range(0, n, 8)).seconds("all_reduce", 0, nodes)
+        slow = hsdp_cost.step_comm(one, p, nodes, units)["hsdp"]["all_reduce"] - lat
+        assert slow == pytest.approx(8 * (c["hsdp"]["all_reduce"] - lat), rel=1e-9)
+        # and FSDP's whole ring runs at one NIC's rate
+        assert hsdp_cost.step_comm(one, p, nodes, units)["fsdp"]["total"] > 6 * c["fsdp"]["total"]
+    held = hsdp_cost.state_bytes(p, 4)
+    assert held == {"fsdp": pytest.approx(16 * p / 32), "hsdp": pytest.approx(16 * p / 8)}
+    with pytest.raises(ValueError, match="nodes >= 1"):
+        hsdp_cost.step_comm(eight, p, 0, units)
+
+
+def test_06b_hsdp_prose_numbers_are_computed():
+    """§5's reading quotes these: FSDP shorter than HSDP to 32 nodes on 8 NICs, longer at 128;
+    with one NIC a node HSDP cuts the step by a quarter to a half; its gathers hide from ~1,900."""
+    import dataclasses
+    from distlab import hsdp_cost, zero_memory
+    from distlab.hardware import H100, PRESETS
+    l2 = zero_memory.LLAMA2_7B
+    p = zero_memory.llama_params(**l2)
+    rate = H100.peak(torch.bfloat16) * H100.gemm_efficiency(8192, 8192, 8192)
+    eight = PRESETS["h100-cluster"]
+    one = dataclasses.replace(eight, nics_per_node=1)
+    nodes, units = (2, 8, 32, 128), l2["layers"] + 2
+    rows8 = {r["nodes"]: r for r in hsdp_cost.table(eight, p, nodes, units, rate)}
+    rows1 = {r["nodes"]: r for r in hsdp_cost.table(one, p, nodes, units, rate)}
+    assert all(rows8[n]["fsdp_total"] < rows8[n]["hsdp_total"] for n in (2, 8, 32))
+    assert rows8[128]["fsdp_total"] > rows8[128]["hsdp_total"]
+    assert round(rows8[128]["fsdp_hide"], -2) == 4500
+    assert all(0.25 < 1 - rows1[n]["hsdp_total"] / rows1[n]["fsdp_total"] < 0.55 for n in rows1)
+    assert all(0.8 < rows1[n]["fsdp_total"] < 1.0 for n in rows1)
+    assert all(16000 <= round(rows1[n]["fsdp_hide"], -3) <= 19000 for n in rows1)
+    assert all(round(r["hsdp_hide"], -2) == 1900 for r in rows8.values())
