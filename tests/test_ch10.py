@@ -572,3 +572,98 @@ def test_interleaving_changes_the_70b_answer_as_chapter_10_says():
     assert shape(a) == shape(b)
     assert f"the winner stays and its step falls from {a['step_s']:.1f} s to {b['step_s']:.1f} s" \
         in text
+
+
+# ---- chapter 10 §4: the dp gradients in buckets, sent during backward ---------------------------
+
+def _bucketed_beside_plain(rank, world_size, dp, pp, tp):
+    """Two copies of one model trained side by side, the plain step and bucket_mb's; every
+    gradient (None-ness included) and every parameter compared after each step. A frozen
+    LayerNorm has no gradient; the head is tied to the embedding (summed across stages)."""
+    import copy
+    from distlab.models import make_gpt, token_data
+    mesh = p3.Mesh3D(dp, pp, tp)
+    gpt = make_gpt(seed=0, vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8).double()
+    gpt.blocks[0].ln1.requires_grad_(False)
+    plain, bucketed = (p3.Stage3D.from_dense(copy.deepcopy(gpt), mesh) for _ in range(2))
+    worst, nones = 0.0, set()
+    for step in range(3):
+        x, y = token_data(n=2 * dp, seq_len=8, vocab=32, seed=step)
+        worst = max(worst, abs(p3.train_step(plain, mesh, x, y, 2, 0.5)
+                               - p3.train_step(bucketed, mesh, x, y, 2, 0.5, bucket_mb=0.002)))
+        for (name, p), q in zip(plain.named_parameters(), bucketed.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is None:
+                nones.add(name)
+            else:
+                worst = max(worst, (p.grad - q.grad).abs().max().item(),
+                            (p - q).abs().max().item())
+    timeline = p3.dp_buckets(bucketed, mesh, 0.002).last_timeline()
+    return worst, sorted(nones), timeline
+
+
+@pytest.mark.parametrize("dp, pp, tp", [(2, 1, 2), (3, 1, 1)])
+def test_the_dp_all_reduce_in_buckets_equals_the_plain_step_and_overlaps_backward(dp, pp, tp):
+    """train_step(bucket_mb=...): chapter 05's BucketedDDP over the dp group, fed by the last
+    micro-batch's backward. Equal to the per-tensor all-reduce (float64, 3 steps, every rank);
+    the trace shows one async all-reduce per bucket on the dp group, and the timeline every
+    bucket but the last sent before backward's last gradient."""
+    import distlab
+    results = distlab.run(_bucketed_beside_plain, dp * pp * tp, dp, pp, tp, trace=True,
+                          timeout=60)
+    for rank, (worst, nones, timeline) in enumerate(results):
+        assert worst <= 1e-12, (rank, worst)
+        assert nones == ["blocks.0.ln1.bias", "blocks.0.ln1.weight"]   # frozen: None on both
+        buckets = timeline["buckets"]
+        assert len(buckets) >= 3
+        assert all(b["launched"] < timeline["backward_end"] for b in buckets[:-1])
+        assert all("blocks.0.ln1.weight" not in b["names"] for b in buckets)
+        dp_group = tuple(r for r in range(dp * pp * tp) if r % (pp * tp) == rank % (pp * tp))
+        sent = [e for e in results.trace.comm(rank=rank, op="all_reduce")
+                if tuple(e["group"]) == dp_group and e["async_op"]]
+        assert len(sent) == 3 * len(buckets)      # one per bucket, each of the 3 steps
+
+
+def test_the_families_ranking_and_the_bucketed_run_as_chapter_10_says():
+    """Chapter 10's families paragraph (ZeRO-1, FSDP, HSDP ranked together) against the planner,
+    and its bucketed-step paragraph against the stored output of the cell that ran it."""
+    from distlab import hardware, layout
+    fams = ("zero1", "fsdp", "hsdp")
+    r70 = layout.rank_layouts("Llama-2 70B", nodes=4, gpus_per_node=8, families=fams)
+    shape = lambda r: (r["dp"], r["pp"], r["tp"], r["family"])          # noqa: E731
+    assert shape(r70[0]) == (32, 1, 1, "FSDP")
+    zero1 = next(r for r in r70 if r["family"] == "ZeRO-1")
+    assert shape(zero1) == (4, 8, 1, "ZeRO-1") and r70.index(zero1) == 2
+    hsdp = [r for r in r70 if r["family"].startswith("HSDP")]
+    assert len(hsdp) == 10 and not any(r["fits"] for r in hsdp)
+    one_nic = hardware.Cluster("one NIC", hardware.H100, hardware.NVLINK4, hardware.IB_NDR, 8, "",
+                               nics_per_node=1)
+    first = {}
+    for name, cluster in (("8", "h100-cluster"), ("1", one_nic)):
+        rows = layout.rank_layouts("Llama-2 13B", nodes=4, gpus_per_node=8, families=fams,
+                                   cluster=cluster)
+        first[name] = rows[0]
+        best = {f: next(r for r in rows if r["family"].startswith(f))
+                for f in ("ZeRO-1", "FSDP", "HSDP")}
+        first[name, "all"] = best
+    assert first["8"]["family"] == "ZeRO-1" and first["1"]["family"] == "HSDP 4x8"
+    b8, b1 = first["8", "all"], first["1", "all"]
+    assert max(r["step_s"] for r in b8.values()) / b8["ZeRO-1"]["step_s"] < 1.002
+    text = _prose(_chapter())
+    assert f"dp=32 under FSDP takes the first place at {r70[0]['step_s']:.1f} s" in text
+    assert f"(MFU {round(100 * r70[0]['mfu'])} %)" in text
+    assert f"dp=4 × pp=8 × tp=1 ({zero1['step_s']:.1f} s, the" in text and "is third" in text
+    assert f"the leanest of the 10 needs {min(r['gb'] for r in hsdp):.0f} GB" in text
+    assert (f"wins at {b1['HSDP']['step_s']:.2f} s against {b1['FSDP']['step_s']:.2f} (FSDP, "
+            f"which moves to pp={b1['FSDP']['pp']}) and {b1['ZeRO-1']['step_s']:.2f} s") in text
+    assert (f"{b8['ZeRO-1']['gb']:.0f}, {b8['FSDP']['gb']:.0f} and {b8['HSDP']['gb']:.0f} GB"
+            in text)
+    # the bucketed step, run: the stored output and the paragraph
+    out = _output_of(_chapter(), "bucket_mb=25): step")
+    assert "10 sent while backward still ran" in out and "tok.weight alone (312 MiB)" in out
+    assert "within 1e-12 after each of 3 steps: True" in out
+    for number in ("7.6 -> 2.6 ms", "43.6 -> 43.4 ms", "3.4 ms inside backward",
+                   "2.1 ms after it"):
+        assert number in out
+    assert "waits 2.6 ms for messages instead of 7.6" in text and "gains 0.2 ms" in text
+    assert "inside backward, 3.4 ms" in text and "after it, 2.1 ms" in text

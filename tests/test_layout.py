@@ -317,3 +317,57 @@ def test_layers_that_pp_does_not_divide_are_priced_on_the_heaviest_stage():
     assert r["step_s"] == pytest.approx(r128["step_s"], rel=0.02)
     with pytest.raises(ValueError, match="do not split into 8 stages × 2 chunks"):
         layout.price(shape, dp=8, pp=8, tp=8, global_batch=256, seq_len=8192, interleave=2)
+
+
+# ---- the data-parallel families: ZeRO-1, FSDP, HSDP -------------------------------------------
+
+def test_hsdp_shards_inside_the_group_and_all_reduces_a_shard_over_the_replicas():
+    """HSDP (FSDP2's fully_shard on a (replicate, shard) mesh): states / shard, the gathers and
+    reduce-scatters on the shard group's link (NVLink: 8 consecutive GPUs), 1/shard of the
+    gradients all-reduced over the replicas (one GPU a node: the NICs) once a step, hidden
+    behind the last backward but its last layer's."""
+    kw = dict(zero_stage=3, overlap_dp=False)
+    fsdp = layout.price("Llama-2 13B", 32, 1, 1, **kw)
+    assert layout.price("Llama-2 13B", 32, 1, 1, dp_shard=32, **kw) == fsdp   # the default
+    hsdp = layout.price("Llama-2 13B", 32, 1, 1, dp_shard=8, **kw)
+    n = memory.PRESETS["Llama-2 13B"][0]
+    per_layer = (n - 2 * L13.vocab * L13.hidden) / L13.layers
+    params = L13.layers * per_layer + 2 * L13.vocab * L13.hidden
+    grads = 2 * params
+    m = hsdp["micro_batches"]
+    nic = H100.link_between([0, 8, 16, 24])
+    expected = (m * comm_seconds("reduce_scatter", grads, 8, NVL)
+                + 2 * m * comm_seconds("all_gather", grads, 8, NVL)
+                + comm_seconds("all_reduce", grads / 8, 4, nic))
+    assert hsdp["dp_s"] == pytest.approx(expected, rel=1e-9)
+    # model states a GPU: 16 bytes a parameter over 8 ranks, not 32 (the gap is 16·N/8 − 16·N/32)
+    assert (hsdp["peak_parts"]["states"] - fsdp["peak_parts"]["states"]) * memory.GB == \
+        pytest.approx(16 * params * (1 / 8 - 1 / 32), rel=1e-9)
+    hidden = layout.price("Llama-2 13B", 32, 1, 1, zero_stage=3, dp_shard=8)
+    assert hidden["dp_s"] < hsdp["dp_s"] / 10          # prefetched, and the all-reduce overlapped
+    for bad, match in ((dict(zero_stage=3, dp_shard=3), "divide"),
+                       (dict(zero_stage=1, dp_shard=8), "zero_stage=3")):
+        with pytest.raises(ValueError, match=match):
+            layout.price("Llama-2 13B", 32, 1, 1, **bad)
+
+
+def test_the_families_rank_beside_each_other_and_leave_the_old_ranking_alone():
+    from distlab.layout.search import families
+    old = layout.rank_layouts("Llama-2 70B", nodes=4, gpus_per_node=8)
+    assert all("family" not in r for r in old)
+    zero1 = layout.rank_layouts("Llama-2 70B", nodes=4, gpus_per_node=8, families=("zero1",))
+    assert [{k: v for k, v in r.items() if k not in ("family", "dp_shard")} for r in zero1] == old
+    every = layout.rank_layouts("Llama-2 70B", nodes=4, gpus_per_node=8,
+                                families=("zero1", "fsdp", "hsdp"))
+    labels = {r["family"].split()[0] for r in every}
+    assert labels == {"ZeRO-1", "FSDP", "HSDP"} and "family" in layout.table(every)
+    # HSDP's shard group lies inside one node: dp_shard · pp · tp GPUs divide the node's 8
+    for r in every:
+        if r["family"].startswith("HSDP"):
+            assert 8 % (r["dp_shard"] * r["pp"] * r["tp"]) == 0 and 1 < r["dp_shard"] < r["dp"]
+            assert r["family"] == f"HSDP {r['dp'] // r['dp_shard']}x{r['dp_shard']}"
+    assert families("fsdp", 1, 8, 1, 4, 8) == []            # nothing to shard over
+    with pytest.raises(ValueError, match="families"):
+        layout.rank_layouts("Llama-2 13B", families=("zero2",))
+    with pytest.raises(ValueError, match="either families or zero_stage"):
+        layout.rank_layouts("Llama-2 13B", families=("fsdp",), zero_stage=3)

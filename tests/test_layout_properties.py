@@ -168,3 +168,20 @@ def test_fsdp_keeping_weights_gathered_trades_traffic_for_memory(dp, pp, accumul
     assert default["gb"] == (kept if pp > 1 else every)["gb"]
     zero1 = layout.price(model, dp, pp, 8, **{**kw, "zero_stage": 1})
     assert every["gb"] < zero1["gb"]
+
+
+@FAST
+@given(dp=st.sampled_from([4, 8, 16, 32]), shard=st.sampled_from([2, 4, 8]),
+       pp=st.sampled_from([1, 2]), model=st.sampled_from(["Llama-2 7B", "Llama-2 13B"]))
+def test_hsdp_holds_more_than_fsdp_and_is_fsdp_when_it_shards_over_every_rank(dp, shard, pp,
+                                                                            model):
+    """HSDP shards the states over fewer ranks than FSDP over the same dp: never less memory,
+    and the same layout priced the same when its shard group is every dp rank."""
+    if shard >= dp:
+        return
+    fsdp = layout.price(model, dp, pp, 1, global_batch=256, zero_stage=3)
+    hsdp = layout.price(model, dp, pp, 1, global_batch=256, zero_stage=3, dp_shard=shard)
+    assert hsdp["peak_parts"]["states"] > fsdp["peak_parts"]["states"]
+    assert hsdp["optimizer_s"] > fsdp["optimizer_s"]
+    assert math.isfinite(hsdp["step_s"]) and hsdp["dp_s"] >= 0
+    assert layout.price(model, dp, pp, 1, global_batch=256, zero_stage=3, dp_shard=dp) == fsdp

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _argcheck as check
-from .data_parallel import average_gradients, shard_batch
+from .data_parallel import BucketedDDP, average_gradients, shard_batch
 from .devices import device
 from .mesh import HandMesh, coordinate, rank_at, wait_until_connected
 from .models import lm_loss
@@ -179,13 +179,17 @@ def sum_tied_gradients(stage):
 
 # ---- one training step -----------------------------------------------------------------------------
 
-def train_step(stage, mesh, x, y, n_micro, lr):
+def train_step(stage, mesh, x, y, n_micro, lr, bucket_mb=None):
     """Forward and backward of one global batch (x, y) on the 3D mesh, then plain SGD.
 
     Every rank passes the whole global batch; it reads its dp shard of it. Returns the global
     batch's mean loss, on every rank. Gradients are left in .grad (averaged over dp).
+    `bucket_mb`: None averages every gradient over dp after backward, one all-reduce per
+    tensor; a number of MiB packs them into buckets (chapter 05's BucketedDDP over the dp
+    group) all-reduced while the last micro-batch's backward still runs, as DDP does.
     """
     _check_step(stage, mesh, Mesh3D, x, y, n_micro, lr)
+    buckets = None if bucket_mb is None else dp_buckets(stage, mesh, bucket_mb)
     for p in stage.parameters():
         p.grad = None
     dtype, on = next(stage.parameters()).dtype, next(stage.parameters()).device
@@ -214,7 +218,10 @@ def train_step(stage, mesh, x, y, n_micro, lr):
             pending.append(dist.isend(out.detach().contiguous(), dst=mesh.pp_rank(stage.stage + 1)))
         saved.append((inp, out))
 
-    for inp, out in saved:                          # ... then every backward, in the same order
+    for i, (inp, out) in enumerate(saved):          # ... then every backward, in the same order
+        if buckets is not None:
+            # only the last backward produces final gradients: its hooks fill the buckets
+            buckets._sync = i == len(saved) - 1
         if stage.last:
             out.backward()
         else:
@@ -223,13 +230,17 @@ def train_step(stage, mesh, x, y, n_micro, lr):
             # (out * grad).sum() sends exactly `grad` into out, without out.backward(grad)'s
             # slow first-call import (see pipeline_parallel._vjp_root).
             (out * grad).sum().backward()
+        if buckets is not None:
+            buckets._sync = False       # the stage's other backwards leave the hooks alone
         if not stage.first:
             pending.append(dist.isend(inp.grad.contiguous(), dst=mesh.pp_rank(stage.stage - 1)))
     for work in pending:
         work.wait()
 
+    # both sums are linear: the tied copies may be summed before or after the dp average
     sum_tied_gradients(stage)
-    average_gradients(stage, group=mesh.get_group("dp"))
+    if buckets is None:
+        average_gradients(stage, group=mesh.get_group("dp"))
     with torch.no_grad():
         # Plain SGD as torch.optim.SGD computes it (building one imports torch._dynamo: seconds).
         for p in stage.parameters():
@@ -243,6 +254,18 @@ def train_step(stage, mesh, x, y, n_micro, lr):
         dist.all_reduce(loss, group=mesh.get_group("dp"))
         return loss
     return global_loss(total, mesh)
+
+
+def dp_buckets(stage, mesh, bucket_mb):
+    """The stage's BucketedDDP over the dp group (made on first use, kept with the stage so its
+    gradient hooks are registered once): `.last_timeline()` says when each bucket was sent."""
+    kept = stage.__dict__.setdefault("_dp_buckets", {})   # not a submodule: no cycle
+    if bucket_mb not in kept:
+        # broadcast=False: the replicas were cut from one dense model and start equal
+        kept[bucket_mb] = BucketedDDP(stage, bucket_cap_mb=bucket_mb, group=mesh.get_group("dp"),
+                                      broadcast=False)
+        kept[bucket_mb]._sync = False   # silent until train_step's last backward
+    return kept[bucket_mb]
 
 
 def global_loss(shard_loss, mesh):

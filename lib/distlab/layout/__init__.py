@@ -49,7 +49,12 @@ Time of one step (every term a function below, each pinned by tests/test_layout.
   backward and its gradients reduce-scattered, for every micro-batch — or once a step when a
   stage keeps its weights gathered and defers the reduction to the last backward
   (`keep_unsharded`, the default under pp as in torchtitan, at 2 + 4 bytes a parameter held);
-  `overlap_dp`: prefetched behind the step's compute but for the first layer's gather;
+  `overlap_dp`: prefetched behind the step's compute but for the first layer's gather.
+  HSDP (`dp_shard`): the same inside a shard group of dp_shard·cp ranks, and each rank's
+  1/shard of the gradients all-reduced over the replicas once a step (the node's NICs shared
+  by the replica groups reducing at once), hidden behind the last backward but its last layer;
+- the families (`rank_layouts(families=...)`): each layout priced as ZeRO-1, FSDP (ZeRO-3
+  over every dp·cp rank) and HSDP (every shard group that fits inside one node), side by side;
 - the optimizer step: Adam's update reads and writes every (ZeRO-sharded) state at HBM speed.
 
 Memory of one GPU: model states (bf16 weights and gradients, fp32 master and Adam moments;
@@ -68,6 +73,6 @@ from .layer_time import _cluster, _gemm, _gemm_train, layer_seconds  # noqa: F40
 from .pricing import BUCKET_BYTES, LOGIT_BYTES, OPTIMIZER_BYTES, price  # noqa: F401
 from .ranking import best, rank_layouts, table  # noqa: F401
 from .scaling import axis_table, axis_text  # noqa: F401
-from .search import candidates, divisors  # noqa: F401
+from .search import FAMILIES, candidates, divisors, families  # noqa: F401
 from .shapes import (SHAPES, _BF16, _layer_params, _recompute, attention_flops,  # noqa: F401
                      layer_gemms, model_flops, shape_of)

@@ -46,7 +46,7 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
           overlap_cp=True, vocab_parallel=True, attention="flash", fused=True, sustained=None,
           optimizer="adam", bucket_bytes=BUCKET_BYTES, dp_messages=None, schedule="1f1b",
           dropout=False, scatter_gather=True, overlap_pp=False, grad_bytes=2,
-          keep_unsharded=None):
+          keep_unsharded=None, dp_shard=None):
     """Seconds per step (split into compute, bubble, tp, cp, pp, dp, optimizer) and GB per GPU
     (peak and steady; `peak_parts`: the peak's model states, saved activations, one layer
     recomputed under full recompute, and logits, in GB) of one layout, on the calibrated `cluster` (a preset name or a
@@ -73,10 +73,21 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     for 2 + 4 bytes a parameter held; False: every micro-batch gathers its weights forward and
     again backward and reduce-scatters its gradients (2·m all-gathers, m reduce-scatters).
     None (the default): kept when pp > 1, torchtitan's default (reshard_after_forward = not
-    pp_enabled; torch's pipeline stages defer the gradient sync to the last backward)."""
+    pp_enabled; torch's pipeline stages defer the gradient sync to the last backward).
+    `dp_shard` (zero_stage=3): HSDP, FSDP2's fully_shard on a 2-D (replicate, shard) mesh: the
+    states sharded over dp_shard·cp ranks only (dp_shard consecutive dp ranks), the weights
+    all-gathered and the gradients reduce-scattered inside that group, and each rank's 1/shard
+    of the gradients all-reduced over the dp / dp_shard replicas once a step (FSDP2's
+    set_requires_all_reduce(False) until the last micro-batch), hidden behind the last
+    backward but its last layer's. None (the default): shard over every dp·cp rank."""
     shape, n = shape_of(model)
     _check_layout(shape, dp, pp, tp, cp, gpus_per_node, global_batch, seq_len, micro_batch,
                   value_bytes)
+    shard = dp if dp_shard is None else positive_whole("dp_shard", dp_shard)
+    if dp % shard or (shard != dp and zero_stage != 3):
+        raise ValueError(f"dp_shard={dp_shard} must divide dp={dp}, and shards only under "
+                         f"zero_stage=3 (HSDP); got zero_stage={zero_stage}.")
+    replicas, zero_world = dp // shard, shard * cp    # HSDP: replicas of a shard group
     cluster = _cluster(cluster, gpus_per_node, intra, inter)
     dev = cluster.device
     recompute = _recompute(checkpointing)
@@ -106,8 +117,8 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     first = stage_params + vocab_rows * h * (1 if pp > 1 else 2)
     last = stage_params + vocab_rows * h if pp > 1 else first
     states = {k: sum(memory.model_state_bytes(p, zero_stage=zero_stage,
-                                              world_size=dp * cp).values())
-                 + (grad_bytes - 2) * p / (dp * cp if zero_stage >= 2 else 1)
+                                              world_size=zero_world).values())
+                 + (grad_bytes - 2) * p / (zero_world if zero_stage >= 2 else 1)
               for k, p in (("first", first), ("last", last))}
     # FSDP (ZeRO-3) holds whole units for a moment: the unit computing now gathered in bf16 with
     # its bf16 gradient and the fp32 copy that is reduce-scattered (torchtitan's
@@ -115,7 +126,7 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
     # the largest unit being the head (vocabulary × hidden) or a layer, and the next layer
     # prefetched (2 bytes) — an ESTIMATE of FSDP2's peak buffers, not a measurement
     buffers = 0.0
-    fsdp = zero_stage == 3 and dp * cp > 1
+    fsdp = zero_stage == 3 and zero_world > 1
     keep = fsdp and (pp > 1 if keep_unsharded is None else bool(keep_unsharded))
     if fsdp:
         buffers = 8 * max(per_layer / tp, vocab_rows * h) + 2 * per_layer / tp
@@ -240,12 +251,31 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
         if fsdp:
             # FSDP: weights all-gathered layer by layer and gradients reduce-scattered, once a
             # step (keep) or per micro-batch, all of it prefetched behind the step's compute
-            # but the first layer's gather
+            # but the first layer's gather; inside the shard group (every dp·cp rank but HSDP's)
+            link = cluster.link_between(group[:zero_world])
             rounds = 1 if keep else m
-            total = rounds * comm_seconds("reduce_scatter", grads, dp * cp, dp_link)
-            total += (1 if keep else 2 * m) * comm_seconds("all_gather", grads, dp * cp, dp_link)
-            first_gather = comm_seconds("all_gather", item * per_layer / tp, dp * cp, dp_link)
+            total = rounds * comm_seconds("reduce_scatter", grads, zero_world, link)
+            total += (1 if keep else 2 * m) * comm_seconds("all_gather", grads, zero_world, link)
+            first_gather = comm_seconds("all_gather", item * per_layer / tp, zero_world, link)
             dp_time = max(first_gather, total - compute) if overlap_dp else total
+            if replicas > 1:
+                # HSDP: this rank's 1/shard of the gradients all-reduced over the replicas, on
+                # their own link, during the last backward; its last layer's waits
+                span = shard * pp * cp * tp             # consecutive ranks a shard group spans
+                rep_group = [r * span for r in range(replicas)]
+                rep_link = cluster.link_between(rep_group)
+                # every GPU of a node is in one replicate group, all reducing at once: the
+                # node's NICs are shared by its min(span, node) groups (link_between prices one)
+                nics = getattr(cluster, "nics_per_node", None)
+                share = 1.0
+                if nics and len({r // gpus_per_node for r in rep_group}) > 1:
+                    members = max(1, gpus_per_node // span)
+                    share = max(1.0, min(span, gpus_per_node) * min(members, nics) / nics)
+                ar = comm_seconds("all_reduce", share * grads / zero_world, replicas, rep_link)
+                last_ar = comm_seconds("all_reduce", share * item * per_layer / tp / zero_world,
+                                       replicas, rep_link)
+                window = compute / m * (2 / 3)      # the last micro-batch's backward
+                dp_time += max(last_ar, ar - window) if overlap_dp else ar
         else:
             one_bucket = comm_seconds("all_reduce", grads / messages, dp * cp, dp_link)
             total = messages * one_bucket
@@ -256,9 +286,9 @@ def price(model, dp, pp, tp, gpus_per_node=8, global_batch=512, seq_len=4096, mi
                 dp_time = total
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_BYTES)}; got {optimizer!r}.")
-    shard = dp * cp if (zero_stage >= 1 and optimizer == "adam") else 1
+    sharded = zero_world if (zero_stage >= 1 and optimizer == "adam") else 1
     per_param = OPTIMIZER_BYTES[optimizer] * (1 if optimizer == "adam" else item)
-    optimizer_s = per_param * max(first, last) / shard / dev.memory_bandwidth
+    optimizer_s = per_param * max(first, last) / sharded / dev.memory_bandwidth
 
     step = compute + bubble + tp_time + cp_time + pp_time + dp_time + optimizer_s
     n_gpus = dp * pp * cp * tp

@@ -1,4 +1,5 @@
-"""Which (dp, pp, cp, tp) layouts exist for a number of GPUs, a model and a batch."""
+"""Which (dp, pp, cp, tp) layouts exist for a number of GPUs, a model and a batch, and how each
+can hold its data-parallel states (the families: ZeRO-1, FSDP, HSDP)."""
 import numbers
 
 
@@ -39,4 +40,34 @@ def candidates(n_gpus, gpus_per_node, layers, heads, global_batch, micro_batch, 
                 if layers % pp or global_batch % (dp * micro_batch):
                     continue
                 out.append((dp, pp, cp, tp))
+    return out
+
+
+# How the data-parallel ranks hold the model states, as layout.price's options:
+# ZeRO-1 (Megatron-LM's distributed optimizer: Adam's states sharded, weights and gradients
+# whole, the gradients all-reduced), FSDP (ZeRO-3 over every dp·cp rank: torchtitan's default,
+# FSDP2's fully_shard on a 1-D mesh) and HSDP (fully_shard on a 2-D (replicate, shard) mesh:
+# sharded inside a node, replicated across nodes).
+FAMILIES = ("zero1", "fsdp", "hsdp")
+
+
+def families(which, dp, pp, cp, tp, gpus_per_node):
+    """[(label, price options)] for each way of the families `which` to shard one (dp, pp, cp,
+    tp) layout: ZeRO-1 always; FSDP when there is more than one dp·cp rank to shard over; HSDP
+    for every dp_shard (1 < dp_shard < dp) whose shard group, dp_shard·cp ranks strided by pp
+    and tp, lies inside one node — labelled replicas x shard."""
+    which = (which,) if isinstance(which, str) else tuple(which)
+    unknown = [f for f in which if f not in FAMILIES]
+    if unknown or not which:
+        raise ValueError(f"families must name some of {FAMILIES}; got {which!r}.")
+    out = []
+    if "zero1" in which:
+        out.append(("ZeRO-1", dict(zero_stage=1)))
+    if "fsdp" in which and dp * cp > 1:
+        out.append(("FSDP", dict(zero_stage=3)))
+    if "hsdp" in which:
+        for shard in divisors(dp)[1:-1]:
+            span = shard * pp * cp * tp               # consecutive ranks the shard group spans
+            if gpus_per_node % span == 0:
+                out.append((f"HSDP {dp // shard}x{shard}", dict(zero_stage=3, dp_shard=shard)))
     return out
