@@ -67,7 +67,7 @@ def test_it_trains_and_only_rank_0_logs(uninterrupted):
 
 
 def test_a_resumed_run_continues_with_identical_losses(uninterrupted, stopped, tmp_path, capsys):
-    # torchrun's own restart after kill -9 is tested in test_checkpoint and shown in ch10b.
+    # torchrun's restart after kill -9 runs in ch10b under nbval; test_checkpoint reads its output.
     whole = checkpoint(uninterrupted[0])
     copy_of(stopped, tmp_path)
     stopped = checkpoint(tmp_path)

@@ -339,6 +339,21 @@ def _launch_here(args):
         raise
 
 
+def still_running(marker):
+    """Pids of this machine's processes whose command line mentions `marker` (a run's own
+    checkpoint folder): the workers a launcher left behind when it returned, which keep their
+    memory and their GPU until someone kills them."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:                 # gone between the listing and the read
+            pass
+    return found
+
+
 if __name__ == "__main__":
     args = parse()
     if "RANK" in os.environ:        # started by torchrun: this process is one rank
