@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -113,9 +114,15 @@ def test_a_resume_of_another_dtype_or_model_is_refused_in_one_sentence(uninterru
 
 def test_still_running_finds_a_process_by_the_folder_in_its_command_line(tmp_path):
     marker = str(tmp_path / "run")
-    left = subprocess.Popen(["sh", "-c", "sleep 30", marker], start_new_session=True)
+    # one process that never forks (a shell's child would carry the marker until its exec)
+    left = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(30)", marker],
+                            start_new_session=True)
     try:
-        assert train.still_running(marker) == [left.pid]
+        found, deadline = [], time.monotonic() + 20
+        while found != [left.pid] and time.monotonic() < deadline:   # its exec may still run
+            found = train.still_running(marker)
+            time.sleep(0.05)
+        assert found == [left.pid]
     finally:
         left.kill()
         left.wait()

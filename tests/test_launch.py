@@ -507,7 +507,9 @@ def test_spawn_start_method_works_too(tmp_path):
         os.environ["DISTLAB_START_METHOD"] = "spawn"
         import distlab
         if __name__ == "__main__":
-            print(distlab.run(lambda rank, world_size: rank * 10, 2))
+            # spawn imports torch afresh in every rank: on 2 busy cores that alone can take
+            # longer than the default limit, which this test is not about
+            print(distlab.run(lambda rank, world_size: rank * 10, 2, timeout=180))
     """)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[0, 10]"
