@@ -145,6 +145,9 @@ def predict_attention(c):
         if c.get(key, "unstated").rstrip("?") in ("unstated", "") or c[key].endswith("?"):
             raise NotPriced(f"its {key} is not stated")
     dev = _DEVICES[c["device"]]
+    if "clock_mhz" in c:               # the row's source states the clock its part ran at
+        sustained, boost = (float(x) for x in c["clock_mhz"].split("/"))
+        dev = dev.at_clock(sustained / boost)
     kernel = _KERNELS[(c["device"], c["op"])]
     shape = hardware.AttentionShape(int(c["seq"]), int(c["seq"]), int(c["head_dim"]), 1,
                                     c["causal"] == "1", c["direction"] == "bwd")

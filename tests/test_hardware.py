@@ -3,6 +3,7 @@ the cost model charge it the same way."""
 import math
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 
 import distlab
@@ -255,3 +256,24 @@ def test_an_op_without_a_matmul_shape_never_costs_less_for_more_flops():
     d = 1024
     assert H100.seconds(2.0 * d**3, 2 * 3 * d * d, torch.bfloat16) == \
         pytest.approx(H100.gemm_seconds(d, d, d), rel=1e-12)
+
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(0.3, 1.0), st.sampled_from([1024, 4096, 16384]))
+def test_a_part_at_a_lower_clock_runs_its_flops_slower_and_its_hbm_the_same(fraction, n):
+    """A power- or thermally-limited part (the FA2 rows of bench/published.csv state 1,200 of
+    1,410 MHz): every peak scales with the SM clock, memory bandwidth does not."""
+    slow = H100.at_clock(fraction)
+    assert slow.peak(torch.bfloat16) == pytest.approx(fraction * H100.peak(torch.bfloat16))
+    assert slow.memory_bandwidth == H100.memory_bandwidth
+    assert slow.gemm_efficiency(n, n, n) == H100.gemm_efficiency(n, n, n)
+    assert slow.gemm_seconds(n, n, n) >= H100.gemm_seconds(n, n, n)
+    if n == 16384:                     # past the launch floor: time goes as 1 / clock
+        assert slow.gemm_seconds(n, n, n) == pytest.approx(H100.gemm_seconds(n, n, n) / fraction)
+
+
+@pytest.mark.parametrize("fraction", [0, -0.5, 1.2])
+def test_a_clock_fraction_outside_0_to_1_is_refused_in_a_sentence(fraction):
+    with pytest.raises(ValueError, match="clock fraction"):
+        H100.at_clock(fraction)

@@ -189,6 +189,17 @@ class Device:
         """The same device running another fused attention kernel (e.g. kernels.FA3_H100)."""
         return replace(self, attention=kernel)
 
+    def at_clock(self, fraction):
+        """The same part with its SMs clocked at `fraction` of the clock its peaks assume (a
+        power- or thermally-limited part): every FLOP/s peak scales with the SM clock, HBM's
+        bandwidth does not (its clock is separate)."""
+        _positive(f"Device {self.name!r}", "the clock fraction", fraction)
+        if fraction > 1:
+            raise ValueError(f"Device {self.name!r}: the clock fraction is of the clock the peaks "
+                             f"assume, at most 1; got {fraction!r}.")
+        return replace(self, name=f"{self.name} at {fraction:.0%} clock",
+                       flops={k: v * fraction for k, v in self.flops.items()})
+
     @property
     def has_fp8(self):
         """Whether the model prices FP8 matmuls on this part (a peak and a fitted curve)."""
