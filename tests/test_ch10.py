@@ -667,3 +667,72 @@ def test_the_families_ranking_and_the_bucketed_run_as_chapter_10_says():
         assert number in out
     assert "waits 2.6 ms for messages instead of 7.6" in text and "gains 0.2 ms" in text
     assert "inside backward, 3.4 ms" in text and "after it, 2.1 ms" in text
+
+
+def test_the_optimal_batch_as_chapter_10_says():
+    """Chapter 10's batch paragraph: DeepSeek LLM's B_opt = 0.2920 · C^0.3271 for Llama 2 70B's
+    6·N·D, against the 4M tokens used and against one sequence per GPU at the table's sizes."""
+    from distlab import layout
+    from distlab.layout import scaling
+    assert (scaling.B_OPT_COEFF, scaling.B_OPT_EXPONENT) == (0.2920, 0.3271)
+    c = 6 * layout.SHAPES["Llama-2 70B"].params() * 2.0e12
+    b = scaling.optimal_batch_tokens(c)
+    assert b == pytest.approx(0.2920 * c ** 0.3271, rel=1e-12)
+    assert f"{b / 1e6:.1f}" == "19.5" and f"{b / (1024 * 4096):.1f}" == "4.6"
+    assert 4600 < b / 4096 < 4800                                  # "about 4,700 GPUs"
+    assert 1024 * 4096 / b < 1 < 8192 * 4096 / b                  # 1,024 below, 8,192 past it
+    assert f"{8192 * 4096 / b:.1f}" == "1.7"
+    text = _prose(_chapter())
+    assert "**B_opt = 0.2920 · C^0.3271** tokens" in text
+    assert "one sequence each is a batch 1.7 times B_opt" in text
+    assert "about 4,700 GPUs" in text and "about 19.5 M tokens, 4.6 times the 4M" in text
+    for bad in (0, -1.0, True, "1e24"):
+        with pytest.raises(ValueError, match="positive compute budget"):
+            scaling.optimal_batch_tokens(bad)
+
+
+def test_the_optimal_batch_grows_with_the_compute_budget():
+    """Property: B_opt rises with C (a positive exponent), and doubling C multiplies it by
+    2^0.3271 whatever C is."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from distlab.layout.scaling import B_OPT_EXPONENT, optimal_batch_tokens
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.floats(1e15, 1e28), st.floats(1.0001, 1e3))
+    def grows(c, factor):
+        small, big = optimal_batch_tokens(c), optimal_batch_tokens(c * factor)
+        assert big > small
+        assert optimal_batch_tokens(2 * c) / small == pytest.approx(2 ** B_OPT_EXPONENT, rel=1e-9)
+
+    grows()
+
+
+def test_restart_read_from_storage_or_a_peer_as_10b_says():
+    """Chapter 10b's restart-read paragraph: every rank's 16 GB through Llama 3's 2 TB/s storage
+    against the same bytes over one NDR NIC, and what each adds to the time lost."""
+    from distlab import checkpoint, hardware, layout
+    from distlab.checkpoint import costs
+    assert (costs.LLAMA3_STORAGE_SUSTAINED, costs.LLAMA3_STORAGE_PEAK) == (2e12, 7e12)
+    shards = checkpoint.save_costs(layout.SHAPES["Llama-2 70B"], dp=1, pp=8, tp=8)["sharded_read"]
+    nic = hardware.PRESETS["h100-cluster"].inter.bandwidth
+    assert nic == hardware.IB_NDR.bandwidth == 47e9
+    r = costs.restart_read(shards, 16384, nic)
+    assert r["storage"] == pytest.approx(shards * 16384 / 2e12) and r["peer"] == shards / nic
+    peak = costs.restart_read(shards, 16384, nic, storage_bps=7e12)["storage"]
+    mtbf = checkpoint.mtbf_seconds(16384)
+    tau = checkpoint.young_daly(10, mtbf)
+    extra = (checkpoint.lost_fraction(tau, 10, mtbf, restart_s=r["storage"])
+             - checkpoint.lost_fraction(tau, 10, mtbf))
+    text = _prose(_chapter_10b())
+    assert (f"{r['storage']:.0f} s per failure, about {86400 / mtbf * r['storage'] / 60:.0f} "
+            f"minutes a day") in text
+    assert f"{100 * extra:.1f} % of the job on top of the " \
+           f"{100 * checkpoint.lost_fraction(tau, 10, mtbf):.1f} % above" in text
+    assert f"peak, {peak:.0f} s)" in text and r["peer"] < 0.5 < 1 < r["storage"]
+    assert "From a peer it is a third of a second" in text
+    assert "Chapter 13's section 3" in text
+    for bad in (dict(bytes_per_rank=0), dict(gpus=0), dict(nic_bps=-1)):
+        args = {**dict(bytes_per_rank=shards, gpus=8, nic_bps=nic), **bad}
+        with pytest.raises(ValueError, match="restart_read's"):
+            costs.restart_read(**args)

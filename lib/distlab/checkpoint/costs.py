@@ -64,3 +64,20 @@ def lost_fraction(interval_s, save_s, mtbf_s, restart_s=0):
             raise ValueError(f"lost_fraction's {name} must be a number of seconds >= 0; got "
                              f"{value!r}.")
     return save_s / interval_s + (interval_s / 2 + restart_s) / mtbf_s
+
+
+# Llama 3's checkpoint storage, Meta's Tectonic: 2 TB/s sustained, 7 TB/s peak, shared by the
+# whole 16,384-GPU job (Dubey et al. 2024, "The Llama 3 Herd of Models", its infrastructure
+# section; read in a summary of the paper, ai-papers.xuzou.cn/papers/llama3_2024).
+LLAMA3_STORAGE_SUSTAINED, LLAMA3_STORAGE_PEAK = 2e12, 7e12
+
+
+def restart_read(bytes_per_rank, gpus, nic_bps, storage_bps=LLAMA3_STORAGE_SUSTAINED):
+    """The checkpoint-read part of the restart R, two ways. `storage`: torchrun restarts every
+    worker, so all `gpus` ranks read their shards back at once through the shared storage
+    (`storage_bps` for the whole job). `peer`: only the newcomer loads its state, from a live
+    replica's memory, the same bytes over its own NIC (`nic_bps`), while the others keep theirs."""
+    _positive("restart_read", unit="", bytes_per_rank=bytes_per_rank, nic_bps=nic_bps,
+              storage_bps=storage_bps)
+    _positive("restart_read", at_least=1, gpus=gpus)
+    return {"storage": bytes_per_rank * gpus / storage_bps, "peer": bytes_per_rank / nic_bps}

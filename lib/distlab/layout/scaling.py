@@ -60,3 +60,34 @@ def axis_text(rows):
                      f"{r['not_compute']:>11.0%}  {r['why']}"
                      + ("" if r["fits"] else "  (does not fit)"))
     return "\n".join(lines)
+
+
+# DeepSeek LLM (Bi et al. 2024, arXiv 2401.02954, its scaling laws for hyperparameters): the batch
+# that gave the lowest loss at a compute budget C, fitted on small runs, in tokens with C in
+# FLOPs: B_opt = 0.2920 · C^0.3271 (beside η_opt = 0.3118 · C^-0.1250). Read as two summaries of
+# the paper quote it (mrshaw01/software-engineer, docs/deepseek/1-DeepSeek-V1.md;
+# codestar12.github.io/llm-hparam-flop-calculator); the paper's own text was not at hand. Their C
+# counts non-embedding FLOPs per token (attention included) times tokens; 6·N·D approximates it.
+B_OPT_COEFF, B_OPT_EXPONENT = 0.2920, 0.3271
+
+
+def optimal_batch_tokens(compute_flops, coeff=B_OPT_COEFF, exponent=B_OPT_EXPONENT):
+    """The loss-optimal global batch, in tokens, for a training budget of `compute_flops`
+    (DeepSeek LLM's fit by default): coeff · C^exponent."""
+    if isinstance(compute_flops, bool) or not isinstance(compute_flops, (int, float)) \
+            or not compute_flops > 0:
+        raise ValueError(f"optimal_batch_tokens needs a positive compute budget in FLOPs; got "
+                         f"{compute_flops!r}.")
+    return coeff * compute_flops ** exponent
+
+
+def batch_text(gpu_counts, b_opt_tokens, global_batch, seq_len=4096):
+    """Per GPU count: the sequences each GPU gets of `global_batch`, and the global batch that
+    dp alone with one sequence per GPU would need, against the optimal batch `b_opt_tokens`."""
+    head = f"{'GPUs':>5} {'sequences/GPU':>13} {'batch at 1 sequence/GPU':>24} {'x B_opt':>8}"
+    lines = [head, "-" * len(head)]
+    for n in gpu_counts:
+        tokens = n * seq_len
+        lines.append(f"{n:>5} {global_batch / n:>13.3g} {tokens / 1e6:>15.1f} M tokens "
+                     f"{tokens / b_opt_tokens:>8.2f}")
+    return "\n".join(lines)
