@@ -520,3 +520,14 @@ def test_what_gloo_does_with_the_coalescing_manager(coalesced):
         assert said["gloo"] == ["gloo:all_gather", "gloo:all_reduce"]
         assert said["device="] == "Backend gloo does not implement startCoalescing"
         assert said["after"] == 1.0          # not 3.0: the all_reduce was recorded, never issued
+
+
+def test_funcol_all_gather_single_gathers_along_gather_dim():
+    """Chapter 02's all_gather cell: funcol.all_gather_single(t, gather_dim, group) stacks each
+    rank's (2, 1) column into a (2, world_size) matrix, column r from rank r."""
+    def cols(rank, world_size):
+        import torch.distributed._functional_collectives as funcol
+        x = torch.tensor([10.0 * (rank + 1), 10.0 * (rank + 1) + 1]).view(2, 1)
+        return funcol.all_gather_single(x, gather_dim=1, group=dist.group.WORLD).clone()
+    expected = torch.tensor([[10.0, 20.0, 30.0], [11.0, 21.0, 31.0]])
+    assert all(torch.equal(r, expected) for r in distlab.run(cols, 3))

@@ -965,3 +965,34 @@ def test_06b_hsdp_prose_numbers_are_computed():
     assert all(0.8 < rows1[n]["fsdp_total"] < 1.0 for n in rows1)
     assert all(16000 <= round(rows1[n]["fsdp_hide"], -3) <= 19000 for n in rows1)
     assert all(round(r["hsdp_hide"], -2) == 1900 for r in rows8.values())
+
+
+def test_06b_offload_prose_numbers_are_computed():
+    """§4's CPU-offload reading and the summary quote these: states 108/208 GB on one H100 (no
+    fit), 13.5/26 GB on 8 and 1.7/3.3 GB on 64; 7B on 8 GPUs: 10 GB over PCIe in 0.18 s against
+    0.47 s of compute, Adam 32.5 s (torch) and 4.8 s (DeepSpeed), about 70x and 10x the compute;
+    on 64 GPUs 4.1 and 0.6 s. 12 bytes a parameter of the shard cross PCIe a step."""
+    from distlab import hardware, offload_cost, zero_memory
+    from distlab.hardware import PRESETS
+    got = {}
+    for name, shape in (("7B", zero_memory.LLAMA2_7B), ("13B", zero_memory.LLAMA2_13B)):
+        model = hardware.Transformer(**shape, glu=True)
+        for n in (1, 8, 64):
+            cluster = PRESETS["h100-node" if n <= 8 else "h100-cluster"]
+            compute = hardware.step_seconds(model, cluster, n, global_batch=n, seq_len=4096,
+                                            recompute="full", fsdp=True, fused=False)["step"]
+            got[name, n] = offload_cost.step(zero_memory.llama_params(**shape), n, compute)
+    assert [round(got[m, n]["states_gb"], 1) for m in ("7B", "13B") for n in (8, 64)] == \
+        [13.5, 1.7, 26.0, 3.3]
+    assert round(got["7B", 1]["states_gb"]) == 108 and round(got["13B", 1]["states_gb"]) == 208
+    assert [got[m, n]["fits"] for m in ("7B", "13B") for n in (1, 8, 64)] == [False, True, True] * 2
+    r = got["7B", 8]
+    assert round(r["pcie_gb"]) == 10 and round(r["pcie_s"], 2) == 0.18
+    assert round(r["compute_s"], 2) == 0.47
+    assert round(r["adam_torch_s"], 1) == 32.5 and round(r["adam_ds_s"], 1) == 4.8
+    assert round(r["adam_torch_s"] / r["compute_s"], -1) == 70
+    assert round(r["adam_ds_s"] / r["compute_s"], -1) == 10
+    r64 = got["7B", 64]
+    assert round(r64["adam_torch_s"], 1) == 4.1 and round(r64["adam_ds_s"], 1) == 0.6
+    moved = offload_cost.pcie_bytes(8e9, 8)
+    assert moved["h2d"] + moved["d2h"] == 12 * 8e9 / 8
