@@ -102,13 +102,9 @@ def folding_groups(world_size, *, tp, dp, etp, ep, edp):
 def build_groups(folding):
     """Inside a rank: create every group of both factorisations (every rank, the same order, as
     `new_group` requires) and return {kind: this rank's ProcessGroup}."""
-    rank, mine = dist.get_rank(), {}
-    for kind, gs in folding.groups.items():
-        for g in gs:
-            pg = dist.new_group(g)
-            if rank in g:
-                mine[kind] = pg
-    return mine
+    made = {kind: [(g, dist.new_group(g)) for g in gs] for kind, gs in folding.groups.items()}
+    rank = dist.get_rank()
+    return {kind: next(pg for g, pg in pairs if rank in g) for kind, pairs in made.items()}
 
 
 def comm_by_kind(trace, folding, span=None):
