@@ -801,3 +801,82 @@ def test_slow_ranks_finds_the_straggler_by_compute_not_by_step_time():
     assert debug.slow_ranks([1.0, 1.04], tolerance=0.05) == []
     with pytest.raises(ValueError, match="one compute time per rank"):
         debug.slow_ranks([])
+
+
+# ---- §2c silent data corruption; 11b §1b torch.compile ----------------------------------------
+
+def test_flip_bit_and_bit_checksums_see_every_single_flip():
+    from distlab import sdc
+    for dtype, width in ((torch.float64, 64), (torch.float32, 32), (torch.bfloat16, 16)):
+        t = torch.linspace(-1.5, 2.0, 7, dtype=dtype)
+        clean = sdc.bit_checksums([t])
+        for bit in (0, width // 2, width - 2, width - 1):
+            u = t.clone()
+            before, after = sdc.flip_bit(u, 3, bit)
+            assert before == t[3].item() and after == u[3].item() and after != before
+            assert not torch.equal(sdc.bit_checksums([u]), clean), (dtype, bit)
+            sdc.flip_bit(u, 3, bit)                      # a second flip restores every bit
+            assert torch.equal(u.view(-1), t.view(-1))
+            assert torch.equal(sdc.bit_checksums([u]), clean)
+    # the float64 lowest-bit flip is the case a float sum rounds away (chapter 11 §2c's weight:
+    # float32 values widened to float64, whose clean sums are exact)
+    w = debug.problem()[0].net[0].weight.detach()
+    v = w.clone()
+    sdc.flip_bit(v, 5, 0)
+    assert torch.equal(debug.tensor_checksums([v]), debug.tensor_checksums([w]))
+    assert not torch.equal(sdc.bit_checksums([v]), sdc.bit_checksums([w]))
+    swapped = w.clone()
+    twisted = swapped.clone()
+    twisted[0, :2] = swapped[0, :2].flip(0)
+    assert not torch.equal(sdc.bit_checksums([swapped]), sdc.bit_checksums([twisted]))
+    assert sdc.bit_checksums([w, w.float(), w.bfloat16()]).shape == (3, 8)
+    with pytest.raises(ValueError, match="bits 0..31"):
+        sdc.flip_bit(w.float(), 0, 32)
+    with pytest.raises(TypeError, match="floating"):
+        sdc.bit_checksums([torch.arange(3)])
+
+
+def test_odd_replicas_names_the_minority_rank_or_says_there_is_no_majority():
+    from distlab import sdc
+    rows = [torch.tensor([[1, 2], [3, 4]]) for _ in range(3)]
+    assert sdc.odd_replicas(rows, ["a", "b"]) == []
+    rows[2] = torch.tensor([[1, 2], [3, 5]])
+    assert sdc.odd_replicas(rows, ["a", "b"]) == [("b", [2])]
+    assert sdc.odd_replicas(rows[1:], ["a", "b"]) == [("b", None)]       # two replicas: no vote
+    with pytest.raises(ValueError, match="one row per name"):
+        sdc.odd_replicas(rows, ["a"])
+
+
+def test_compile_report_reads_graph_breaks_and_recompiles_and_the_fix_removes_them():
+    from distlab import compile_debug
+
+    def step(x, scale):
+        y = torch.tanh(x) * scale
+        if y.sum().item() > 0:
+            y = y * 2
+        return y.sum()
+
+    def fixed(x, scale):
+        y = torch.tanh(x) * scale
+        return torch.where(y.sum() > 0, y * 2, y).sum()
+
+    calls = [(torch.ones(8), 1.0), (torch.ones(8), 1.0), (torch.ones(9), 1.0), (torch.ones(9), 0.5)]
+    got = compile_debug.compile_report(step, calls)
+    reasons = [c[2] for c in got["compiles"] if c[2] is not None]
+    assert list(got["graph_breaks"]) == ["Unsupported Tensor.item() call with "
+                                         "capture_scalar_outputs=False"]
+    assert "tensor 'x' size mismatch at index 0. expected 8, actual 9" in reasons
+    assert "scale == 1.0" in reasons
+    good = compile_debug.compile_report(fixed, calls, dynamic=True)
+    assert good["graph_breaks"] == {} and good["compiles"] == [("fixed", "0/0", None)]
+    assert all(abs(a - b) < 1e-6 for a, b in zip(got["results"], good["results"]))
+
+
+def test_a_short_last_batch_recompiles_on_its_rank_only_unless_dynamic():
+    def both(rank, world_size):
+        from distlab import compile_debug
+        return [[s["compiles"] for s in compile_debug.short_last_batch(rank, world_size, dynamic=d)]
+                for d in (None, True)]
+    got = distlab.run(both, 2, timeout=120)
+    assert got[0] == [[1, 0, 0], [1, 0, 0]]
+    assert got[1] == [[1, 0, 1], [1, 0, 0]]
