@@ -16,6 +16,7 @@ congestion, an oversubscribed spine and the rings' longer paths at large scale a
 import dataclasses
 
 from . import memory
+from .show import text_table
 
 
 def _cross_node_link(cluster, nodes, per_node):
@@ -95,14 +96,10 @@ def table(cluster, params, node_counts, units, rate, per_node=None, **kw):
 
 def format_table(rows):
     """The rows of `table` as text: one line per node count."""
-    head = (f"{'nodes':>5} {'GPUs':>5} | {'FSDP ms':>8} {'of it net':>9} {'net GB/node':>11} "
-            f"{'fwd hides T>=':>13} | {'HSDP ms':>8} {'of it net':>9} {'net GB/node':>11} "
-            f"{'fwd hides T>=':>13}")
-    lines = [head]
-    for r in rows:
-        lines.append(f"{r['nodes']:>5} {r['gpus']:>5} | {r['fsdp_total'] * 1e3:>8.0f} "
-                     f"{r['fsdp_network'] * 1e3:>9.0f} {r['fsdp_network_bytes'] / 1e9:>11.1f} "
-                     f"{r['fsdp_hide']:>13,.0f} | {r['hsdp_total'] * 1e3:>8.0f} "
-                     f"{r['hsdp_network'] * 1e3:>9.0f} {r['hsdp_network_bytes'] / 1e9:>11.1f} "
-                     f"{r['hsdp_hide']:>13,.0f}")
-    return "\n".join(lines)
+    def side(way):
+        return ["|", (f"{way} ms", ">8.0f", lambda r: r[f"{way.lower()}_total"] * 1e3),
+                ("of it net", ">9.0f", lambda r: r[f"{way.lower()}_network"] * 1e3),
+                ("net GB/node", ">11.1f", lambda r: r[f"{way.lower()}_network_bytes"] / 1e9),
+                ("fwd hides T>=", ">13,.0f", lambda r: r[f"{way.lower()}_hide"])]
+    return text_table(rows, [("nodes", ">5", lambda r: r["nodes"]),
+                             ("GPUs", ">5", lambda r: r["gpus"])] + side("FSDP") + side("HSDP"))

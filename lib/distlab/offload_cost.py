@@ -15,6 +15,7 @@ while the GPU waits.
 The rates below are measured ones, each with its source; what they assume is stated where used.
 """
 from . import memory
+from .show import text_table
 
 # NVIDIA's nvbandwidth on H100s, one GPU at a time, PCIe Gen5 x16 to pinned host memory:
 # host->device 57.06 GB/s (3 of the 4 GPUs of an H100 VM; NVIDIA/nvbandwidth issue #6),
@@ -64,14 +65,13 @@ def step(params, n_gpus, compute, gpus_per_host=8, hbm=80e9):
 
 def format_table(rows):
     """Rows of `step` (each with a "model" name) as text, one line per model and GPU count."""
-    head = (f"{'model':11} {'GPUs':>4} | {'states GB/GPU':>13} {'fit 80 GB':>9} | "
-            f"{'PCIe GB/GPU':>11} {'PCIe s':>6} | {'Adam s torch':>12} {'DS':>5} | "
-            f"{'compute s':>9} | {'offload step s torch':>20} {'DS':>5}")
-    lines = [head]
-    for r in rows:
-        lines.append(f"{r['model']:11} {r['gpus']:>4} | {r['states_gb']:>13.1f} "
-                     f"{'yes' if r['fits'] else 'no':>9} | {r['pcie_gb']:>11.1f} "
-                     f"{r['pcie_s']:>6.2f} | {r['adam_torch_s']:>12.1f} {r['adam_ds_s']:>5.1f} | "
-                     f"{r['compute_s']:>9.2f} | {r['offload_torch_s']:>20.1f} "
-                     f"{r['offload_ds_s']:>5.1f}")
-    return "\n".join(lines)
+    return text_table(rows, [
+        ("model", "11", lambda r: r["model"]), ("GPUs", ">4", lambda r: r["gpus"]), "|",
+        ("states GB/GPU", ">13.1f", lambda r: r["states_gb"]),
+        ("fit 80 GB", ">9", lambda r: "yes" if r["fits"] else "no"), "|",
+        ("PCIe GB/GPU", ">11.1f", lambda r: r["pcie_gb"]), ("PCIe s", ">6.2f", lambda r: r["pcie_s"]),
+        "|", ("Adam s torch", ">12.1f", lambda r: r["adam_torch_s"]),
+        ("DS", ">5.1f", lambda r: r["adam_ds_s"]), "|",
+        ("compute s", ">9.2f", lambda r: r["compute_s"]), "|",
+        ("offload step s torch", ">20.1f", lambda r: r["offload_torch_s"]),
+        ("DS", ">5.1f", lambda r: r["offload_ds_s"])])

@@ -1,5 +1,7 @@
-"""`show_source`: put the real code of the course in front of the learner, never a pasted copy."""
+"""What the course puts in front of the learner: its real code (`show_source`), never a pasted
+copy; a verdict against a tolerance (`agreement`); a table of numbers (`text_table`)."""
 import inspect
+import re
 import textwrap
 
 
@@ -47,3 +49,22 @@ def agreement(difference, tolerance):
     if difference <= tolerance:
         return f"within {tolerance:.0e}: True"
     return f"NOT within {tolerance:.0e} (differs by {difference:.1e})"
+
+
+def text_table(rows, columns):
+    """One header line and one line per row. `columns`: (header, format spec, value of a row)
+    triples, or "|" between groups; each header takes its column's alignment and width."""
+    def line(cells):
+        return " ".join(cells)
+    head, body = [], [[] for _ in rows]
+    for column in columns:
+        if column == "|":
+            head.append("|")
+            for cells in body:
+                cells.append("|")
+            continue
+        header, spec, value = column
+        head.append(format(header, re.match(r"[<>^]?\d*", spec).group()))
+        for cells, row in zip(body, rows):
+            cells.append(format(value(row), spec))
+    return "\n".join([line(head)] + [line(cells) for cells in body])
